@@ -166,6 +166,7 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
         out = run(ps, bs, xs)
         flat_out = pytree.tree_leaves(out)
         wrt = [ps[i] for i in trainable] + [xs[i] for i in grad_inputs]
+        _tag_backward_ops([flat_out[i] for i in diff])
         grads = torch.autograd.grad([flat_out[i] for i in diff], wrt, list(tans), allow_unused=True)
         return flat_out, list(grads)
 
@@ -183,6 +184,29 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
 
     return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                        loss_fn is not None, model_name)
+
+
+def _tag_backward_ops(outputs) -> None:
+    """Make each backward op carry the sequence number of the forward op it
+    differentiates (`seq_nr` in fx metadata), so it can be named after it."""
+    seen = set()
+    work = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while work:
+        fn = work.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        seq = fn._sequence_nr()
+
+        def pre(grad_outputs, seq=seq):
+            fx_traceback.set_grad_fn_seq_nr(seq)
+
+        def post(grad_inputs, grad_outputs):
+            fx_traceback.reset_grad_fn_seq_nr()
+
+        fn.register_prehook(pre)
+        fn.register_hook(post)
+        work.extend(f for f, _ in fn.next_functions if f is not None)
 
 
 def _install_module_hooks(module):
@@ -308,6 +332,10 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     # Names: module path + op; backward nodes: "d." + the module of the
     # forward values they read.
     module_of: dict = {}
+    fwd_module_by_seq: dict[int, str] = {}
+    for n in calls:
+        if n in forward_set and _module_of(n):
+            fwd_module_by_seq.setdefault(n.meta.get("seq_nr", -1), _module_of(n))
     nodes: list[Node] = []
     for n in calls:
         if n.target is operator.getitem:
@@ -316,6 +344,8 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
         phase = FORWARD if n in forward_set else BACKWARD
         if phase == FORWARD or n not in depends_on_tangent and _module_of(n):
             mod = _module_of(n)
+        elif n.meta.get("seq_nr", -1) in fwd_module_by_seq:
+            mod = fwd_module_by_seq[n.meta["seq_nr"]]
         else:
             mod = _backward_module(n, module_of, forward_set)
         module_of[n] = mod
