@@ -216,9 +216,9 @@ def _hand_over(out, keys, values, grads_present, live, refs, storage_cat, cat_by
         target = values[key]
         if grads_present:
             continue  # `.grad += g`: no allocation
-        if v.stride != target.stride or v.storage != v.name:
+        if not _obeys_layout_contract(v, target):
             # AccumulateGrad clones a gradient whose layout differs from the
-            # parameter's, or that shares its storage with other values.
+            # parameter's; otherwise it steals it, views included.
             alloc(f"<{key}.grad>", _dense_bytes(target), GRADIENTS)
             record("backward", index, line)
         else:
@@ -229,6 +229,17 @@ def _hand_over(out, keys, values, grads_present, live, refs, storage_cat, cat_by
             cat_bytes[GRADIENTS] += values[s].nbytes
             refs[s] += 1  # held by the parameter from now on
     drop(out)
+
+
+def _obeys_layout_contract(grad, param) -> bool:
+    """torch/csrc/autograd/utils/grad_layout_contract.h, for dense parameters:
+    strides must agree on every dimension longer than 1, and none may be 0."""
+    for size, gs, ps in zip(grad.shape, grad.stride, param.stride):
+        if size != 1 and gs != ps:
+            return False
+        if size == 1 and gs == 0:
+            return False
+    return len(grad.shape) == len(param.shape)
 
 
 def _dense_bytes(v) -> int:

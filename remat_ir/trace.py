@@ -245,13 +245,11 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     fx_nodes = list(graph.nodes)
     placeholders = [n for n in fx_nodes if n.op == "placeholder"]
     out_node = next(n for n in fx_nodes if n.op == "output")
-    calls = [n for n in fx_nodes if n.op == "call_function" and n.target is not operator.getitem]
+    calls = [n for n in fx_nodes if n.op in ("call_function", "get_attr") and n.target is not operator.getitem]
     for n in fx_nodes:
         if n.op == "get_attr":
-            users = ", ".join(str(u.target) for u in n.users)
-            raise TraceError(f"the model creates a tensor constant in its forward (used by {users}); "
-                             "register it as a buffer instead")
-        if n.op == "call_function" and n.target is not operator.getitem and not isinstance(
+            _constant_as_full(gm, n)
+        elif n.op == "call_function" and n.target is not operator.getitem and not isinstance(
                 n.target, torch._ops.OpOverload):
             raise TraceError(f"unsupported call {n.target} in the traced graph")
 
@@ -340,7 +338,11 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     for n in calls:
         if n.target is operator.getitem:
             continue
-        opname = n.target._opname
+        if n.op == "get_attr":
+            n.meta.setdefault("nn_module_stack", _module_stack_of_users(n))
+            opname = "constant"
+        else:
+            opname = n.target._opname
         phase = FORWARD if n in forward_set else BACKWARD
         if phase == FORWARD or n not in depends_on_tangent and _module_of(n):
             mod = _module_of(n)
@@ -378,6 +380,11 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
             raise TraceError(f"{n.target} returns {type(val).__name__}, which a static program cannot hold")
         if str(n.target) in _UNSUPPORTED:
             raise TraceError(f"unsupported op {n.target} (data-dependent) at {mod or 'top level'}")
+        if n.op == "get_attr":
+            nodes.append(Node(name=name, op="aten.full.default", args=n.meta["full_args"],
+                              kwargs=n.meta["full_kwargs"], outputs=outs, phase=phase, module=mod,
+                              flops=float(val.numel())))
+            continue
         nodes.append(Node(
             name=name, op=_op_string(n.target), args=[_arg(a, fx_value_name) for a in n.args],
             kwargs={k: _arg(a, fx_value_name) for k, a in n.kwargs.items()}, outputs=outs, phase=phase,
@@ -415,6 +422,30 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     header.fingerprint = fingerprint(param_fingerprint(params, buffers), program)
     program.forward, program.backward = default_schedule(program)
     return program
+
+
+def _constant_as_full(gm, n) -> None:
+    """A tensor constant the model makes in its forward (`torch.tensor(...)`)
+    becomes an `aten.full` node when all its elements are equal; a program has
+    no other way to hold data."""
+    c = getattr(gm, n.target)
+    flat = c.detach().reshape(-1)
+    if flat.numel() and not bool((flat == flat[0]).all()):
+        users = ", ".join(str(u.target) for u in n.users)
+        raise TraceError(f"the model creates a non-uniform tensor constant of shape {list(c.shape)} in its "
+                         f"forward (used by {users}); register it as a buffer instead")
+    fill = flat[0].item() if flat.numel() else 0
+    n.meta["val"] = c
+    n.meta["full_args"] = [ir.Seq(list(c.shape)), _arg(fill, {})]
+    n.meta["full_kwargs"] = {"dtype": ir.DType(_dtype_name(c.dtype)), "layout": ir.Layout("strided"),
+                             "device": ir.Device(str(c.device)), "pin_memory": False}
+
+
+def _module_stack_of_users(n) -> dict:
+    for u in n.users:
+        if u.meta.get("nn_module_stack"):
+            return u.meta["nn_module_stack"]
+    return {}
 
 
 def fingerprint(param_rows, program: Program) -> str:

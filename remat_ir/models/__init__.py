@@ -1,0 +1,108 @@
+"""Built-in models for the CLI, tests and benchmarks.
+
+``build_builtin(name, batch=None, seq=None, device="cpu", seed=0)`` returns
+``(module, example_inputs)``; ``module(*example_inputs)`` is the scalar training
+loss.  Model initialisation and inputs are both seeded by ``seed`` (the global
+RNG state is left untouched).  Everything also works inside
+``torch._subclasses.fake_tensor.FakeTensorMode()``: parameters and inputs are
+then fake tensors, so big models can be planned without allocating.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .gpt import GPT, GPTConfig
+from .mlp import MLP
+
+__all__ = ["BUILTINS", "BuiltinSpec", "GPT", "GPTConfig", "MLP", "build_builtin", "describe_builtins"]
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    kind: str  # "gpt" or "mlp"
+    batch: int
+    seq: Optional[int]  # sequence length (GPT only)
+    description: str
+    gpt: Optional[GPTConfig] = None
+    mlp: dict = field(default_factory=dict)
+
+
+BUILTINS: dict[str, BuiltinSpec] = {
+    "mlp": BuiltinSpec("mlp", 32, None, "MLP 256 -> 4 x 512 (ReLU, dropout 0.1) -> 10 classes",
+                       mlp=dict(d_in=256, hidden=512, depth=4, n_classes=10, dropout=0.1)),
+    "gpt2-tiny": BuiltinSpec("gpt", 2, 64, "GPT 2 layers, d=128, 4 heads, vocab 1024, block 64",
+                             gpt=GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=1024, block_size=64)),
+    "gpt2-mid": BuiltinSpec("gpt", 4, 128, "GPT 4 layers, d=256, 4 heads, vocab 8192, block 128",
+                            gpt=GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=8192, block_size=128)),
+    "gpt2-small": BuiltinSpec("gpt", 4, 512, "GPT-2 small: 12 layers, d=768, 12 heads (124 M params)",
+                              gpt=GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)),
+    "gpt2-medium": BuiltinSpec("gpt", 4, 512, "GPT-2 medium: 24 layers, d=1024, 16 heads (355 M params)",
+                               gpt=GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024)),
+    "gpt2-large": BuiltinSpec("gpt", 4, 512, "GPT-2 large: 36 layers, d=1280, 20 heads (774 M params)",
+                              gpt=GPTConfig(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, block_size=1024)),
+}
+
+
+def describe_builtins() -> str:
+    """One line per built-in model, for CLI help."""
+    lines = ["built-in models (default batch x seq):"]
+    for name, spec in BUILTINS.items():
+        shape = f"batch {spec.batch}" + (f" x seq {spec.seq}" if spec.seq else "")
+        lines.append(f"  {name:<12} {spec.description}; {shape}")
+    return "\n".join(lines)
+
+
+def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = None,
+                  device="cpu", seed: int = 0,
+                  dropout: Optional[float] = None) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Build built-in model ``name`` and reproducible example inputs.
+
+    Returns ``(module, example_inputs)`` with the module in training mode on
+    ``device``.  GPT inputs are ``(idx, targets)`` int64 of shape
+    ``(batch, seq)``; MLP inputs are ``(x float32 (batch, d_in), y int64 (batch,))``.
+    ``dropout`` overrides the model's dropout probability when given.
+    """
+    if name not in BUILTINS:
+        raise KeyError(f"unknown built-in model {name!r}; choose from {', '.join(BUILTINS)}")
+    spec = BUILTINS[name]
+    batch = spec.batch if batch is None else int(batch)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    # Seed model initialisation without disturbing the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if spec.kind == "gpt":
+            cfg = spec.gpt
+            if dropout is not None:
+                cfg = GPTConfig(**{**cfg.__dict__, "dropout": float(dropout)})
+            model = GPT(cfg)
+        else:
+            kw = dict(spec.mlp)
+            if dropout is not None:
+                kw["dropout"] = float(dropout)
+            model = MLP(**kw)
+    # (.to() on fake parameters fails under FakeTensorMode: only move when needed.)
+    if any(t.device != device for t in list(model.parameters()) + list(model.buffers())):
+        model = model.to(device)
+    model.train()
+
+    if spec.kind == "gpt":
+        seq = spec.seq if seq is None else int(seq)
+        if seq > cfg.block_size:
+            raise ValueError(f"seq {seq} > block_size {cfg.block_size} of {name}")
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen, dtype=torch.int64)
+        targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen, dtype=torch.int64)
+        inputs = (idx.to(device), targets.to(device))
+    else:
+        if seq is not None:
+            raise ValueError("the mlp model takes no sequence length")
+        x = torch.randn(batch, model.d_in, generator=gen, dtype=torch.float32)
+        y = torch.randint(0, model.n_classes, (batch,), generator=gen, dtype=torch.int64)
+        inputs = (x.to(device), y.to(device))
+    return model, inputs

@@ -1,0 +1,297 @@
+"""Exact live-bytes measurement of a training step.
+
+CPU has no peak-memory API, so `StorageTracker` is a ``TorchDispatchMode`` that
+looks at the output of every aten op and records each *new* untyped storage
+(bytes = ``storage.nbytes()``), keyed by the C++ storage pointer
+``storage._cdata``.  A weakref callback on the storage's Python object removes
+it when the storage dies: PyTorch preserves a storage's Python object for as
+long as the C++ storage lives, so the callback fires exactly when the memory is
+released, not when our Python reference goes away.
+
+What counts as new memory
+    An op output whose storage is (a) not the storage of any tensor argument of
+    that op (views, in-place and ``out=`` ops alias an argument), (b) not
+    registered as pre-existing and (c) not already tracked.  Rule (a) means a
+    view of a pre-existing tensor never counts, registered or not; registering
+    pre-existing tensors (params, buffers, inputs, grads, optimizer state)
+    additionally gives the baseline and its split by category, and lets the
+    tracker see baseline storages freed during the step.
+
+Scope and caveats
+    * Only memory allocated by ops dispatched while the mode is active is seen.
+      Scratch buffers a kernel allocates and frees internally are not (the
+      profiler does not attribute them either on CPU for the ops we use).
+    * The autograd engine's ops during ``loss.backward()`` are seen: on CPU the
+      engine runs on the calling thread and the dispatch-mode stack is
+      propagated to it (``ones_like`` of the loss, gradient buffers,
+      ``AccumulateGrad``'s clone/add).  A gradient AccumulateGrad steals into
+      ``.grad`` (first step) stays live and counts; on later steps ``.grad`` is
+      accumulated in place and the incoming gradient is freed.
+    * Storages recorded while the mode was active keep being tracked after it
+      exits (frees still update ``live_bytes``), but new allocations are not
+      recorded any more: measure the whole step inside one ``with`` block.
+    * Works under ``FakeTensorMode`` too (enter the fake mode first, then the
+      tracker): fake tensors have meta storages with correct ``nbytes``.
+
+`measure_step` wraps a step: on CPU (and fake/meta) with `StorageTracker`; on
+CUDA with the caching allocator's statistics.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StorageTracker", "StepMemory", "measure_step", "storage_key", "storage_nbytes"]
+
+MiB = 2**20
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage: the C++ StorageImpl pointer (stable while it lives)."""
+    return t.untyped_storage()._cdata
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _has_storage(t) -> bool:
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.layout != torch.strided:  # sparse and other layouts have no single storage
+        return False
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class StorageTracker(TorchDispatchMode):
+    """Records every op's new output storages and their frees; exact live and peak bytes.
+
+    ``live_bytes``: bytes of storages first seen inside the mode and still alive.
+    ``peak_bytes``: the maximum over time of ``live_bytes - freed_baseline_bytes``,
+    i.e. the peak above the registered baseline (0 if nothing was allocated).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}  # key -> nbytes, allocated inside the mode
+        self._refs: dict[int, weakref.ref] = {}  # key -> weakref (keeps callbacks alive)
+        self._registered: dict[int, tuple[str, int]] = {}  # key -> (category, nbytes)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.freed_baseline_bytes = 0
+        self.n_allocations = 0
+        self.allocated_bytes = 0  # total bytes ever allocated inside the mode
+        self.peak_op: Optional[str] = None  # the op whose output reached the peak
+        self._op: Optional[str] = None
+
+    # ------------------------------------------------------------ dispatch mode
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let dynamo trace through the mode so compiled graphs' ops are seen
+        # (otherwise dynamo silently falls back to eager under a mode).
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs, _ = tree_flatten(out)
+        if not any(isinstance(o, torch.Tensor) for o in outs):
+            return out
+        self._op = str(func)
+        ins, _ = tree_flatten((args, kwargs))
+        in_keys = {storage_key(t) for t in ins if _has_storage(t)}
+        for o in outs:
+            if not _has_storage(o):
+                continue
+            s = o.untyped_storage()
+            key = s._cdata
+            if key in self._live:  # seen before; may have been resized in place (out=)
+                nb = s.nbytes()
+                if nb != self._live[key]:
+                    self.allocated_bytes += max(0, nb - self._live[key])
+                    self._add(nb - self._live[key])
+                    self._live[key] = nb
+                continue
+            if key in in_keys or key in self._registered:
+                continue  # a view / in-place result of an argument, or pre-existing
+            self._track(s, key)
+        return out
+
+    # --------------------------------------------------------------- bookkeeping
+    def _add(self, delta: int) -> None:
+        self.live_bytes += delta
+        above = self.live_bytes - self.freed_baseline_bytes
+        if above > self.peak_bytes:
+            self.peak_bytes = above
+            self.peak_op = self._op
+
+    def _track(self, s: torch.UntypedStorage, key: int) -> None:
+        nb = s.nbytes()
+        self._live[key] = nb
+        self._refs[key] = weakref.ref(s, self._make_free_cb(key, registered=False))
+        self.n_allocations += 1
+        self.allocated_bytes += nb
+        self._add(nb)
+
+    def _make_free_cb(self, key: int, registered: bool):
+        self_ref = weakref.ref(self)
+
+        def on_free(_ref, key=key, registered=registered):
+            tracker = self_ref()
+            if tracker is None:
+                return
+            if registered:
+                entry = tracker._registered.pop(key, None)
+                if entry is not None:
+                    tracker.freed_baseline_bytes += entry[1]
+            else:
+                nb = tracker._live.pop(key, None)
+                if nb is not None:
+                    tracker.live_bytes -= nb
+            tracker._refs.pop(key, None)
+
+        return on_free
+
+    def register(self, tensors: Union[torch.Tensor, Iterable], category: str = "other") -> int:
+        """Declare pre-existing tensors (any nesting of lists/tuples/dicts).
+
+        Their storages are part of the baseline, never counted as new memory.
+        A storage registered twice is counted once (first category wins).
+        Returns the bytes newly added to the baseline.
+        """
+        flat, _ = tree_flatten(tensors)
+        added = 0
+        for t in flat:
+            if not _has_storage(t):
+                continue
+            s = t.untyped_storage()
+            key = s._cdata
+            if key in self._registered or key in self._live:
+                continue
+            nb = s.nbytes()
+            self._registered[key] = (category, nb)
+            self._refs[key] = weakref.ref(s, self._make_free_cb(key, registered=True))
+            added += nb
+        return added
+
+    def reset_peak(self) -> None:
+        """Restart peak tracking from the current live bytes."""
+        self.peak_bytes = max(0, self.live_bytes - self.freed_baseline_bytes)
+        self.peak_op = None
+
+    def baseline_by_category(self) -> dict[str, int]:
+        """Bytes of registered storages still alive, by category."""
+        out: dict[str, int] = {}
+        for cat, nb in self._registered.values():
+            out[cat] = out.get(cat, 0) + nb
+        return out
+
+    @property
+    def baseline_bytes(self) -> int:
+        return sum(nb for _, nb in self._registered.values())
+
+    def is_tracked(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was allocated inside the mode and is still alive."""
+        return storage_key(t) in self._live
+
+    def __repr__(self) -> str:
+        return (f"StorageTracker(live={self.live_bytes / MiB:.3f} MiB, peak={self.peak_bytes / MiB:.3f} MiB, "
+                f"baseline={self.baseline_bytes / MiB:.3f} MiB)")
+
+
+# ---------------------------------------------------------------- step measure
+
+
+@dataclass
+class StepMemory:
+    """Memory of one step, in bytes.
+
+    peak_bytes: absolute peak (baseline + peak_above_baseline).
+    baseline_bytes: memory before the step (CPU: the registered tensors'
+        distinct storages; CUDA: ``torch.cuda.memory_allocated()``).
+    baseline_by_category: registered bytes per category (CUDA: plus
+        ``"unregistered"`` for allocated memory no registered tensor accounts for).
+    peak_above_baseline: the peak of what the step allocated on top of the baseline.
+    live_after_bytes: bytes the step left allocated above the baseline
+        (e.g. ``.grad`` created on a first step).
+    """
+
+    peak_bytes: int
+    baseline_bytes: int
+    baseline_by_category: dict[str, int] = field(default_factory=dict)
+    peak_above_baseline: int = 0
+    live_after_bytes: int = 0
+
+    def summary(self) -> str:
+        cats = ", ".join(f"{k} {v / MiB:.3f}" for k, v in self.baseline_by_category.items())
+        return (f"peak {self.peak_bytes / MiB:.3f} MiB = baseline {self.baseline_bytes / MiB:.3f} MiB"
+                f" ({cats}) + {self.peak_above_baseline / MiB:.3f} MiB")
+
+
+def _distinct_bytes_by_category(pre_existing: dict) -> tuple[dict[str, int], int]:
+    seen: set[int] = set()
+    by_cat: dict[str, int] = {}
+    for cat, tensors in pre_existing.items():
+        flat, _ = tree_flatten(tensors)
+        for t in flat:
+            if not _has_storage(t):
+                continue
+            key = storage_key(t)
+            if key in seen:
+                continue
+            seen.add(key)
+            by_cat[cat] = by_cat.get(cat, 0) + storage_nbytes(t)
+    return by_cat, sum(by_cat.values())
+
+
+def measure_step(fn: Callable[[], object], *, pre_existing: Optional[dict] = None,
+                 device=None) -> StepMemory:
+    """Run ``fn()`` once and measure its memory.
+
+    ``pre_existing`` maps a category ("params", "buffers", "inputs", "grads",
+    "optimizer", ...) to tensors that exist before the step.  ``device`` picks
+    the method: CUDA uses the allocator's statistics (run a warm-up step first
+    so one-time allocations such as cuBLAS workspaces are not in the peak);
+    anything else uses `StorageTracker`.  The return value of ``fn`` is dropped
+    before measuring what stays live.
+    """
+    pre_existing = pre_existing or {}
+    if device is None:
+        device = "cpu"
+    device = torch.device(device)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        del result
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        after = torch.cuda.memory_allocated(device)
+        by_cat, registered = _distinct_bytes_by_category(pre_existing)
+        if base > registered:
+            by_cat["unregistered"] = base - registered
+        return StepMemory(peak_bytes=peak, baseline_bytes=base, baseline_by_category=by_cat,
+                          peak_above_baseline=peak - base, live_after_bytes=after - base)
+
+    tracker = StorageTracker()
+    for cat, tensors in pre_existing.items():
+        tracker.register(tensors, cat)
+    by_cat = tracker.baseline_by_category()
+    base = sum(by_cat.values())
+    with tracker:
+        result = fn()
+        del result
+    return StepMemory(peak_bytes=base + tracker.peak_bytes, baseline_bytes=base,
+                      baseline_by_category=by_cat, peak_above_baseline=tracker.peak_bytes,
+                      live_after_bytes=tracker.live_bytes - tracker.freed_baseline_bytes)
