@@ -550,3 +550,14 @@ def _flops(n) -> float:
         return 0.0
     outs = val if isinstance(val, (tuple, list)) else [val]
     return float(sum(t.numel() for t in outs if isinstance(t, torch.Tensor)))
+
+
+def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *, fake: bool = False,
+                  device: str = "cpu") -> Program:
+    """Trace a built-in model (see `remat_ir.models`) with its default inputs."""
+    from .load import load_model
+
+    m = load_model(name, batch=batch, seq=seq, device=device, fake=fake)
+    program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name, fake=fake)
+    program.header.device = device
+    return program
