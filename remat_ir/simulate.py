@@ -70,6 +70,7 @@ class MemoryReport:
     activation_peak: Event
     top: list[tuple[str, int]]  # storages live at the peak, largest first
     timeline: list[Event] = field(repr=False, default_factory=list)
+    peak_step: int = 0  # how many timeline points precede the peak (internal)
 
     @property
     def baseline_bytes(self) -> int:
@@ -89,6 +90,23 @@ def optimizer_state_bytes(program: Program, optimizer: str) -> int:
 
 def simulate(program: Program, *, grads_present: bool = True, optimizer_bytes: int | None = None,
              keep_timeline: bool = False, top_k: int = 8) -> MemoryReport:
+    report = _play(program, grads_present, optimizer_bytes, keep_timeline, None)
+    # The storages live at the peak: a second pass that stops there is cheaper
+    # than snapshotting at every new maximum (forward sets one per compute).
+    try:
+        _play(program, grads_present, optimizer_bytes, False, report.peak_step)
+    except _Stop as stop:
+        report.top = _top(stop.storage_bytes, top_k)
+    return report
+
+
+class _Stop(Exception):
+    def __init__(self, storage_bytes):
+        self.storage_bytes = storage_bytes
+
+
+def _play(program: Program, grads_present: bool, optimizer_bytes: int | None, keep_timeline: bool,
+          stop_at: int | None) -> MemoryReport:
     values = program.value_map()
     nodes = program.node_map()
     phase = {o: n.phase for n in program.nodes for o in n.outputs if o}
@@ -153,9 +171,14 @@ def simulate(program: Program, *, grads_present: bool = True, optimizer_bytes: i
     timeline: list[Event] = []
     best = Event("start", -1, 0, sum(cat_bytes.values()), dict(cat_bytes))
     best_act = Event("start", -1, 0, 0, dict(cat_bytes))
+    step_no = 0
+    peak_step = -1
 
     def record(phase: str, index: int, line: int) -> None:
-        nonlocal best, best_act
+        nonlocal best, best_act, step_no, peak_step
+        step_no += 1
+        if step_no == stop_at:
+            raise _Stop(dict(storage_bytes))
         total = sum(cat_bytes.values())
         act = cat_bytes[ACTIVATIONS] + cat_bytes[TEMPORARIES]
         if keep_timeline or total > best.total or act > best_act.total:
@@ -164,12 +187,12 @@ def simulate(program: Program, *, grads_present: bool = True, optimizer_bytes: i
                 timeline.append(ev)
             if total > best.total:
                 best = ev
-                nonlocal top
-                top = _top(storage_bytes, top_k)
+                peak_step = step_no
             if act > best_act.total:
                 best_act = Event(phase, index, line, act, dict(cat_bytes))
 
-    top = _top(storage_bytes, top_k)
+    if stop_at == 0:
+        raise _Stop(dict(storage_bytes))
 
     for phase, instrs in (("forward", program.forward), ("backward", program.backward)):
         if phase == "backward":
@@ -204,7 +227,7 @@ def simulate(program: Program, *, grads_present: bool = True, optimizer_bytes: i
     return MemoryReport(
         peak_bytes=best.total, peak=best, baseline=baseline,
         activation_peak_bytes=best_act.total, activation_peak=best_act,
-        top=top, timeline=timeline,
+        top=[], timeline=timeline, peak_step=max(peak_step, 0),
     )
 
 

@@ -86,6 +86,7 @@ makes sense is the verifier's business.
 from __future__ import annotations
 
 import difflib
+import gc
 import json
 import math
 import os
@@ -146,6 +147,7 @@ def human_bytes(n: int | float) -> str:
 
 _NAME_RE = re.compile(r"[A-Za-z_]\w*(?:[.:]\w+)*")
 _DEVICE_BARE_RE = re.compile(r"[\w.:-]+")
+_RESULT_KEY_RE = re.compile(r"0|-?[1-9][0-9]*")
 _ESCAPE_RE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ud800-\udfff]")
 
 # Dtype names a `.rir` file may use (torch attribute names).
@@ -181,7 +183,9 @@ def _ref(name: str) -> str:
 
 
 def _word(s: str) -> str:
-    return s if _bare_ok(s) else _quote(s)
+    # Where a word stands (source, module, device, ...) no keyword can, so
+    # only the spelling matters.
+    return s if _NAME_RE.fullmatch(s) else _quote(s)
 
 
 def _hcomment(c: str) -> str:
@@ -377,7 +381,7 @@ class _Printer:
         emit("outputs")
         for o in p.outputs:
             if o.kind == RESULT:
-                key = o.key if re.fullmatch(r"-?(?:0|[1-9]\d*)", o.key) and o.key != "-0" else _quote(o.key)
+                key = o.key if _RESULT_KEY_RE.fullmatch(o.key) else _quote(o.key)
             else:
                 key = _ref(o.key)
             self.out_lines.append(emit(f"  {o.kind} {key} = {_ref(o.value)}"))
@@ -474,14 +478,52 @@ def _lark():
             p = _parser_cache.get("lark")
             if p is None:
                 import lark
+                from lark.lexer import PatternStr
                 tr = _Builder()
+                post = _PostLex()
                 p = lark.Lark(grammar_text(), parser="lalr", lexer="contextual", transformer=tr,
-                              maybe_placeholders=True, propagate_positions=False)
+                              postlex=post, maybe_placeholders=True, propagate_positions=False)
+                post.keywords = frozenset(t.name for t in p.terminals if isinstance(t.pattern, PatternStr)
+                                          and _NAME_RE.fullmatch(t.pattern.value))
+                _parser_cache["postlex"] = post
                 _parser_cache["transformer"] = tr
                 _parser_cache["terminals"] = {t.name: t for t in p.terminals}
                 _parser_cache["reserved"] = _compute_reserved(p)
                 _parser_cache["lark"] = p
     return p
+
+
+class _PostLex:
+    """Between lark's lexer and parser:
+
+    * drops a line break that directly follows another one (a `#|` line after
+      the header is an ignored comment between two breaks);
+    * makes a keyword lexed off the front of a longer word (`freex`: lark
+      matches keywords as plain strings where no name may stand) a NAME, so
+      that the parser rejects it.
+    """
+
+    always_accept = ("_NL",)
+    keywords: frozenset = frozenset()
+    text = ""
+
+    def process(self, stream):
+        prev = False
+        keywords = self.keywords
+        text = self.text
+        match = _NAME_RE.match
+        for tok in stream:
+            if tok.type == "_NL":
+                if prev:
+                    continue
+                prev = True
+            else:
+                prev = False
+                if tok.type in keywords:
+                    m = match(text, tok.start_pos)
+                    if m is not None and m.end() != tok.end_pos:
+                        tok = tok.new_borrow_pos("NAME", m.group(), tok)
+            yield tok
 
 
 def _compute_reserved(p) -> frozenset[str]:
@@ -509,14 +551,30 @@ def _reserved() -> frozenset[str]:
 
 
 # ----------------------------------------------------------------- parsing
+#
+# Two readers build the same records (header, value lines, graph blocks,
+# schedule, outputs) for `_assemble`:
+#
+# * `_FastReader`, a hand-written reader of the line-oriented text.  It is
+#   deliberately strict (it accepts a subset of the grammar: whatever it is
+#   not sure about, it gives up on) and exists because lark's per-token cost
+#   makes big plans slow.
+# * lark with `grammar/rir.lark` (LALR, contextual lexer): the definition of
+#   the language.  It runs whenever the fast reader gives up, so every syntax
+#   error is lark's and every text lark accepts is accepted.
 
 
 class _Sem(Exception):
     """A semantic error found while building; carries the offending token."""
 
     def __init__(self, tok, message: str):
+        super().__init__(message)
         self.tok = tok
         self.message = message
+
+
+class _GiveUp(Exception):
+    """The fast reader is not sure: let lark read the text."""
 
 
 def _pos(tok) -> tuple[int, int]:
@@ -529,7 +587,7 @@ def _str(tok) -> str:
     try:
         return json.loads(tok, strict=False)
     except ValueError as e:
-        raise _Sem(tok, f"bad string literal {str(tok)[:60]}: {e.msg if hasattr(e, 'msg') else e}")
+        raise _Sem(tok, f"bad string literal {str(tok)[:60]}: {getattr(e, 'msg', e)}") from None
 
 
 def _wordval(tok) -> str:
@@ -543,7 +601,8 @@ def _ints(tok, text: str) -> list[int]:
     try:
         return [int(x) for x in body.split(",")]
     except ValueError:
-        raise _Sem(tok, f"bad integer list `{tok}`: write integers separated by commas, like [2,64,128]")
+        raise _Sem(tok, f"bad integer list `{tok}`: write integers separated by commas, "
+                        f"like [2,64,128]") from None
 
 
 def _dtype_name(tok, short: str) -> str:
@@ -555,6 +614,48 @@ def _dtype_name(tok, short: str) -> str:
     close = difflib.get_close_matches(short, list(ir.DTYPE_LONG) + sorted(DTYPES), n=1)
     hint = f"; did you mean `{close[0]}`?" if close else ""
     raise _Sem(tok, f"unknown dtype `{short}` (known: {', '.join(ir.DTYPE_LONG)}){hint}")
+
+
+def _torch_const(t) -> Any:
+    attr = t[6:]
+    if attr in DTYPES:
+        return DType(attr)
+    if attr in LAYOUTS:
+        return Layout(attr)
+    if attr in MEMORY_FORMATS:
+        return MemoryFormat(attr)
+    raise _Sem(t, f"unknown torch constant `{t}`: expected a dtype (torch.float32, ...), a layout "
+                  f"(torch.strided, ...) or a memory format (torch.contiguous_format, ...); "
+                  f"a value of that name is written %\"{t}\"")
+
+
+def _device(tok) -> Device:
+    s = str(tok)[7:-1]
+    if s.startswith('"'):
+        return Device(_str(_Token("STRING", s, tok.line, tok.column)))
+    return Device(s)
+
+
+def _hcomment_text(tok) -> str:
+    rest = str(tok)[2:].rstrip()
+    if rest.startswith(" "):
+        return rest[1:]
+    if rest.startswith('"'):
+        return _str(_Token("STRING", rest, tok.line, tok.column))
+    return rest
+
+
+def _make_header(comments: list[str], vtok, fields) -> Header:
+    if int(vtok) != ir.FORMAT_VERSION:
+        raise _Sem(vtok, f"unsupported format version {vtok}: this remat-ir reads "
+                         f"`rir {ir.FORMAT_VERSION}`")
+    h = Header(version=int(vtok), comment=comments)
+    for field, val in fields:
+        if field == "optimizer":
+            h.optimizer, h.optimizer_bytes = val
+        else:
+            setattr(h, field, val)
+    return h
 
 
 class _Kw:
@@ -569,47 +670,90 @@ class _Decl:
                  "requires_grad", "aliases")
 
 
+def _make_decl(t, stride, storage, source, rg, aliases) -> _Decl:
+    d = _Decl()
+    d.tok = t
+    s = str(t)
+    b = s.index("[")
+    d.dtype = _dtype_name(t, s[:b])
+    d.shape = _ints(t, s[b + 1:-1])
+    d.stride = stride
+    d.storage_tok, d.nbytes = storage
+    d.storage = None if d.storage_tok is None else str(d.storage_tok)
+    d.source = "" if source is None else source
+    d.requires_grad = bool(rg)
+    d.aliases = [] if aliases is None else aliases
+    return d
+
+
 class _NodeRec:
     __slots__ = ("name", "name_tok", "outs", "op", "op_tok", "args", "kwargs", "attrs", "refs", "phase")
 
 
+def _make_node(name_tok, outs, op, op_tok, items, attrs, refs) -> _NodeRec:
+    rec = _NodeRec()
+    rec.outs = outs or []
+    if name_tok is None:
+        first = rec.outs[0] if rec.outs else None
+        if first is None or first[0] is None:
+            raise _Sem(op_tok, "this node has no name: its first output is `_` or missing; "
+                               "name it with `NAME: ` at the start of the line")
+        name_tok = first[0]
+    rec.name = str(name_tok)
+    rec.name_tok = name_tok
+    rec.op, rec.op_tok = op, op_tok
+    args: list = []
+    kwargs: dict = {}
+    for it in items or ():
+        if type(it) is _Kw:
+            if it.key in kwargs:
+                raise _Sem(it.tok, f"keyword argument `{it.key}` given twice")
+            kwargs[it.key] = it.value
+        else:
+            if kwargs:
+                raise _Sem(op_tok, "a positional argument follows a keyword argument "
+                                   "(write positional arguments first)")
+            args.append(it)
+    rec.args, rec.kwargs = args, kwargs
+    rec.attrs = attrs
+    rec.refs = refs
+    return rec
+
+
+_INSTR_KINDS = (COMPUTE, RECOMPUTE, FREE)
+
+
+def _Token(type_: str, value: str, line: int, column: int):
+    tok = _parser_cache.get("Token")
+    if tok is None:
+        from lark import Token as tok
+        _parser_cache["Token"] = tok
+    return tok(type_, value, None, line, column)
+
+
 def _make_builder_class():
-    from lark import Transformer, Token
+    from lark import Token, Transformer
 
     class Builder(Transformer):
-        """Builds plain records while lark parses (LALR callbacks)."""
+        """Builds the records while lark parses (LALR callbacks)."""
 
         def __init__(self):
             super().__init__(visit_tokens=False)
             self.reset()
 
         def reset(self):
-            self.arg_refs: list = []  # ref tokens seen in the current node's args
+            self.arg_refs: list = []  # ref tokens seen in the current node's arguments
+            self.last_key = None
 
         # -- header
         def hcomment(self, c):
-            tok = c[0]
-            rest = str(tok)[2:].rstrip()
-            if rest.startswith(" "):
-                return rest[1:]
-            if rest.startswith('"'):
-                return _str(Token.new_borrow_pos("STRING", rest, tok))
-            return rest
+            return _hcomment_text(c[0])
 
         def header(self, c):
-            comments = []
             i = 0
-            while isinstance(c[i], str) and not isinstance(c[i], Token):
-                comments.append(c[i])
+            while not isinstance(c[i], Token):
                 i += 1
-            vtok = c[i]
-            if int(vtok) != ir.FORMAT_VERSION:
-                raise _Sem(vtok, f"unsupported format version {vtok}: this remat-ir reads "
-                                 f"`rir {ir.FORMAT_VERSION}`")
-            h = Header(version=int(vtok), comment=comments)
-            for field, val in c[i + 1:]:
-                setattr(h, field, val)
-            return h
+            return _make_header(c[:i], c[i], c[i + 1:])
 
         def model(self, c):
             return ("model", _str(c[0]))
@@ -621,7 +765,7 @@ def _make_builder_class():
             return ("device", _wordval(c[0]))
 
         def optimizer(self, c):
-            return ("optimizer_bytes", int(c[1])), ("optimizer", _wordval(c[0]))
+            return ("optimizer", (_wordval(c[0]), int(c[1])))
 
         def budget(self, c):
             return ("budget", Budget(bytes=int(c[0]), scope=str(c[1])))
@@ -643,31 +787,16 @@ def _make_builder_class():
             return c
 
         def value_line(self, c):
-            ref, kind, d = c
-            return (ref, str(kind), d)
+            return (c[0], str(c[1]), c[2])
 
         def kind(self, c):
             return c[0]
 
         def decl(self, c):
-            t, stride, storage, source, rg, aliases = c
-            d = _Decl()
-            d.tok = t
-            s = str(t)
-            b = s.index("[")
-            d.dtype = _dtype_name(t, s[:b])
-            d.shape = _ints(t, s[b + 1:-1])
-            d.stride = stride
-            d.storage_tok, d.nbytes = storage
-            d.storage = None if d.storage_tok is None else str(d.storage_tok)
-            d.source = "" if source is None else source
-            d.requires_grad = rg is not None
-            d.aliases = [] if aliases is None else aliases
-            return d
+            return _make_decl(*c)
 
         def stride(self, c):
-            s = str(c[0])
-            return _ints(c[0], s[1:-1])
+            return _ints(c[0], str(c[0])[1:-1])
 
         def owner(self, c):
             return (None, int(c[0]))
@@ -682,8 +811,9 @@ def _make_builder_class():
             return True
 
         def aliases(self, c):
-            if len(c) == 1 and c[0] is None:
-                return []
+            return [] if c[0] is None else c[0]
+
+        def alias_items(self, c):
             return [_wordval(t) for t in c]
 
         def escaped(self, c):
@@ -704,34 +834,8 @@ def _make_builder_class():
 
         def node_line(self, c):
             name_tok, outs, (op, op_tok), items, attrs = c
-            rec = _NodeRec()
-            rec.outs = outs or []
-            if name_tok is None:
-                first = rec.outs[0] if rec.outs else None
-                if first is None or first[0] is None:
-                    raise _Sem(op_tok, "this node has no name: its first output is `_` or missing; "
-                                       "name it with `NAME: ` at the start of the line")
-                name_tok = first[0]
-            rec.name = str(name_tok)
-            rec.name_tok = name_tok
-            rec.op, rec.op_tok = op, op_tok
-            args: list = []
-            kwargs: dict = {}
-            for it in items or ():
-                if type(it) is _Kw:
-                    if it.key in kwargs:
-                        raise _Sem(it.tok, f"keyword argument `{it.key}` given twice")
-                    kwargs[it.key] = it.value
-                else:
-                    if kwargs:
-                        raise _Sem(op_tok, "a positional argument follows a keyword argument "
-                                           "(write positional arguments first)")
-                    args.append(it)
-            rec.args, rec.kwargs = args, kwargs
-            rec.attrs = attrs
-            rec.refs = self.arg_refs
-            self.arg_refs = []
-            return rec
+            refs, self.arg_refs = self.arg_refs, []
+            return _make_node(name_tok, outs, op, op_tok, items, attrs, refs)
 
         def node_name(self, c):
             return c[0]
@@ -749,8 +853,7 @@ def _make_builder_class():
             return (c[0], c[1])
 
         def op(self, c):
-            t = c[0]
-            return (_wordval(t), t)
+            return (_wordval(c[0]), c[0])
 
         def call_args(self, c):
             return c
@@ -759,27 +862,16 @@ def _make_builder_class():
             return c
 
         def kwarg(self, c):
-            k, v = c
-            return _Kw(k, v, self._last_key_tok)
+            return _Kw(c[0], c[1], self.last_key)
 
         def key(self, c):
-            t = c[0]
-            self._last_key_tok = t
-            return _wordval(t)
+            self.last_key = c[0]
+            return _wordval(c[0])
 
         def name_arg(self, c):
             t = c[0]
             if t.startswith("torch."):
-                attr = t[6:]
-                if attr in DTYPES:
-                    return DType(attr)
-                if attr in LAYOUTS:
-                    return Layout(attr)
-                if attr in MEMORY_FORMATS:
-                    return MemoryFormat(attr)
-                raise _Sem(t, f"unknown torch constant `{t}`: expected a dtype (torch.float32, ...), "
-                              f"a layout (torch.strided, ...) or a memory format "
-                              f"(torch.contiguous_format, ...); write a value named so as %\"{t}\"")
+                return _torch_const(t)
             self.arg_refs.append(t)
             return Ref(str(t))
 
@@ -816,13 +908,13 @@ def _make_builder_class():
             return Special("nan")
 
         def device_arg(self, c):
-            s = str(c[0])[7:-1]
-            return Device(_str(Token.new_borrow_pos("STRING", s, c[0])) if s.startswith('"') else s)
+            return _device(c[0])
 
         def list_arg(self, c):
-            if len(c) == 1 and c[0] is None:
-                return Seq([])
-            return Seq(list(c))
+            return Seq([] if c[0] is None else c[0])
+
+        def list_items(self, c):
+            return c
 
         def module(self, c):
             return ("module", _wordval(c[0]), c[0])
@@ -838,7 +930,7 @@ def _make_builder_class():
 
         # -- schedule / outputs
         def forward(self, c):
-            return [Instr(COMPUTE if k == 0 else RECOMPUTE if k == 1 else FREE, t, t.line) for k, t in c]
+            return [Instr(_INSTR_KINDS[k], t, t.line) for k, t in c]
 
         backward = forward
 
@@ -856,8 +948,7 @@ def _make_builder_class():
 
         def result(self, c):
             k, v = c
-            key = _str(k) if k.type == "STRING" else str(int(k))
-            return (RESULT, key, k, v)
+            return (RESULT, _str(k) if k.type == "STRING" else str(int(k)), k, v)
 
         def grad(self, c):
             k, v = c
@@ -869,14 +960,459 @@ def _make_builder_class():
     return Builder
 
 
-class _LazyBuilder:
-    cls = None
-
-
 def _Builder():
-    if _LazyBuilder.cls is None:
-        _LazyBuilder.cls = _make_builder_class()
-    return _LazyBuilder.cls()
+    cls = _parser_cache.get("builder_class")
+    if cls is None:
+        cls = _parser_cache["builder_class"] = _make_builder_class()
+    return cls()
+
+
+# -------------------------------------------------------- the fast reader
+
+_WS_RE = re.compile(r"[ \t\f\r]*")
+_STRING_RE = re.compile(r'"(?:[^"\\\n\r]|\\.)*"')
+_INT_RE = re.compile(r"-?\d+")
+_FLOAT_RE = re.compile(r"-?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)")
+_TYPE_RE = re.compile(r"[A-Za-z_]\w*\[[ \t\d,]*\]")
+_INTS_RE = re.compile(r"\[[ \t\d,-]*\]")
+_DEVICE_RE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
+_ARG_WORDS = {"true": True, "false": False, "none": None}
+_ARG_SPECIALS = {"inf": "inf", "nan": "nan"}
+_KINDS = frozenset(VALUE_DECL_KINDS)
+
+
+class _FastReader:
+    """Reads canonical-looking text quickly; raises _GiveUp on anything else."""
+
+    def __init__(self, text: str):
+        self.lines = text.split("\n")
+        self.reserved = _reserved()
+        self.s = ""
+        self.i = 0
+        self.ln = 0
+
+    # -- lexing within the current line
+    def ws(self) -> int:
+        i = self.i = _WS_RE.match(self.s, self.i).end()
+        return i
+
+    def end(self) -> bool:
+        i = self.ws()
+        return i >= len(self.s) or self.s[i] == "#"
+
+    def expect_end(self) -> None:
+        if not self.end():
+            raise _GiveUp
+
+    def char(self, c: str) -> bool:
+        i = self.ws()
+        if self.s.startswith(c, i):
+            self.i = i + len(c)
+            return True
+        return False
+
+    def expect(self, c: str) -> None:
+        if not self.char(c):
+            raise _GiveUp
+
+    def match(self, regex, type_: str):
+        i = self.ws()
+        m = regex.match(self.s, i)
+        if m is None:
+            return None
+        self.i = m.end()
+        return _Token(type_, m.group(), self.ln, i + 1)
+
+    def raw(self, regex) -> str | None:
+        """The text `regex` matches here (no token made), or None."""
+        i = self.ws()
+        m = regex.match(self.s, i)
+        if m is None:
+            return None
+        self.i = m.end()
+        return m.group()
+
+    def name(self):
+        """A NAME token (any spelling), or None."""
+        return self.match(_NAME_RE, "NAME")
+
+    def keyword(self, *words: str) -> str | None:
+        i = self.ws()
+        m = _NAME_RE.match(self.s, i)
+        if m is not None and m.group() in words:
+            self.i = m.end()
+            return m.group()
+        return None
+
+    def expect_keyword(self, word: str) -> None:
+        if self.keyword(word) is None:
+            raise _GiveUp
+
+    def peek_name(self) -> str | None:
+        m = _NAME_RE.match(self.s, self.ws())
+        return None if m is None else m.group()
+
+    def ref(self):
+        t = self.name()
+        if t is not None:
+            if t in self.reserved:
+                raise _GiveUp
+            return t
+        if self.char("%"):
+            s = self.match(_STRING_RE, "STRING")
+            if s is None:
+                raise _GiveUp
+            return _Token("NAME", _str(s), s.line, s.column)
+        raise _GiveUp
+
+    def word(self):
+        t = self.name()
+        if t is not None:
+            return str(t)
+        s = self.match(_STRING_RE, "STRING")
+        if s is None:
+            raise _GiveUp
+        return _str(s)
+
+    def string(self) -> str:
+        s = self.raw(_STRING_RE)
+        if s is None:
+            raise _GiveUp
+        return _str(s)
+
+    def int_tok(self):
+        t = self.match(_INT_RE, "INT")
+        if t is None:
+            raise _GiveUp
+        return t
+
+    def int(self) -> int:
+        t = self.raw(_INT_RE)
+        if t is None:
+            raise _GiveUp
+        return int(t)
+
+    # -- lines
+    def next_line(self) -> bool:
+        """Advance to the next line with code on it; False at the end."""
+        lines = self.lines
+        while self.ln < len(lines):
+            self.s = lines[self.ln]
+            self.ln += 1
+            self.i = 0
+            if not self.end():
+                return True
+        return False
+
+    def read(self):
+        # header
+        comments: list[str] = []
+        lines = self.lines
+        while True:
+            if self.ln >= len(lines):
+                raise _GiveUp
+            self.s = lines[self.ln]
+            self.ln += 1
+            self.i = 0
+            i = self.ws()
+            if self.s.startswith("#|", i):
+                comments.append(_hcomment_text(_Token("HCOMMENT", self.s[i:], self.ln, i + 1)))
+            elif not self.end():
+                break
+        self.expect_keyword("rir")
+        vtok = self.int_tok()
+        self.expect_end()
+        fields = []
+        order = list(HEADER_FIELDS)
+        while True:
+            if not self.next_line():
+                raise _GiveUp
+            kw = self.keyword(*order)
+            if kw is None:
+                break
+            del order[:order.index(kw) + 1]
+            if kw in ("model", "fingerprint", "output_spec"):
+                fields.append((kw, self.string()))
+            elif kw == "device":
+                fields.append((kw, self.word()))
+            elif kw == "optimizer":
+                w = self.word()
+                n = self.int()
+                self.expect_keyword("bytes")
+                fields.append((kw, (w, n)))
+            elif kw == "budget":
+                n = self.int()
+                self.expect_keyword("bytes")
+                scope = self.keyword("total", "activations")
+                if scope is None:
+                    raise _GiveUp
+                fields.append((kw, Budget(bytes=n, scope=scope)))
+            else:
+                b = self.keyword("true", "false")
+                if b is None:
+                    raise _GiveUp
+                fields.append((kw, b == "true"))
+            self.expect_end()
+        header = _make_header(comments, vtok, fields)
+
+        # values
+        self.expect_keyword("values")
+        self.expect_end()
+        value_lines = []
+        while True:
+            if not self.next_line():
+                raise _GiveUp
+            if self.keyword("graph"):
+                break
+            tok = self.ref()
+            kind = self.peek_name()
+            if kind not in _KINDS:
+                raise _GiveUp
+            self.keyword(kind)
+            d = self.decl()
+            self.expect_end()
+            value_lines.append((tok, kind, d))
+
+        # graph
+        blocks = []
+        while True:
+            phase = self.keyword(FORWARD, BACKWARD)
+            if phase is None:
+                raise _GiveUp
+            self.expect_end()
+            block: list[_NodeRec] = []
+            blocks.append(block)
+            while True:
+                if not self.next_line():
+                    raise _GiveUp
+                w = self.peek_name()
+                if w == "graph" or w == FORWARD:
+                    self.keyword(w)
+                    break
+                rec = self.node_line()
+                rec.phase = phase
+                block.append(rec)
+            if w == FORWARD:
+                break
+
+        # schedule
+        self.expect_end()
+        fwd = self.instrs(BACKWARD)
+        bwd = self.instrs("outputs")
+
+        # outputs
+        outs = []
+        while self.next_line():
+            kw = self.keyword(RESULT, GRAD)
+            if kw == RESULT:
+                k = self.match(_INT_RE, "INT")
+                key = self.string() if k is None else str(int(k))
+                ktok = k
+            elif kw == GRAD:
+                ktok = self.ref()
+                key = str(ktok)
+            else:
+                raise _GiveUp
+            self.expect("=")
+            v = self.ref()
+            self.expect_end()
+            outs.append((kw, key, ktok, v))
+        return [header, value_lines, blocks, fwd, bwd, outs]
+
+    def instrs(self, next_section: str) -> list[Instr]:
+        out = []
+        kinds = {COMPUTE: COMPUTE, RECOMPUTE: RECOMPUTE, FREE: FREE}
+        while True:
+            if not self.next_line():
+                raise _GiveUp
+            kw = self.keyword(COMPUTE, RECOMPUTE, FREE, next_section)
+            if kw is None:
+                raise _GiveUp
+            if kw == next_section:
+                self.expect_end()
+                return out
+            t = self.ref()
+            self.expect_end()
+            out.append(Instr(kinds[kw], t, t.line))
+
+    def decl(self) -> _Decl:
+        t = self.match(_TYPE_RE, "TYPE")
+        if t is None:
+            raise _GiveUp
+        stride = None
+        if self.keyword("stride"):
+            st = self.match(_INTS_RE, "INTS")
+            if st is None:
+                raise _GiveUp
+            stride = _ints(st, str(st)[1:-1])
+        if self.keyword("view"):
+            self.expect_keyword("of")
+            owner = self.ref()
+            n = self.raw(_INT_RE)
+            if n is not None:
+                self.expect_keyword("bytes")
+            storage = (owner, 0 if n is None else int(n))
+        else:
+            n = self.int()
+            self.expect_keyword("bytes")
+            storage = (None, n)
+        source = None
+        if self.keyword("source"):
+            source = self.word()
+        rg = self.keyword("requires_grad") is not None
+        aliases = None
+        if self.keyword("aliases"):
+            self.expect("[")
+            aliases = []
+            if not self.char("]"):
+                aliases.append(self.word())
+                while self.char(","):
+                    aliases.append(self.word())
+                self.expect("]")
+        return _make_decl(t, stride, storage, source, rg, aliases)
+
+    def node_out(self):
+        if self.keyword("_"):
+            return (None, None)
+        tok = self.ref()
+        i = self.ws()
+        if _TYPE_RE.match(self.s, i):
+            return (tok, self.decl())
+        return (tok, None)
+
+    def node_line(self) -> _NodeRec:
+        name_tok = None
+        outs = []
+        if not self.char("="):
+            first = self.node_out()
+            if first[1] is None and first[0] is not None and self.char(":"):
+                name_tok = first[0]
+                if not self.char("="):
+                    outs.append(self.node_out())
+            else:
+                outs.append(first)
+            if outs:
+                while self.char(","):
+                    outs.append(self.node_out())
+                self.expect("=")
+        op_t = self.name()
+        if op_t is not None:
+            if op_t in self.reserved:
+                raise _GiveUp
+            op = str(op_t)
+        else:
+            op_t = self.match(_STRING_RE, "STRING")
+            if op_t is None:
+                raise _GiveUp
+            op = _str(op_t)
+        self.expect("(")
+        items: list = []
+        refs: list = []
+        if not self.char(")"):
+            items.append(self.item(refs))
+            while self.char(","):
+                items.append(self.item(refs))
+            self.expect(")")
+        attrs = []
+        while not self.end():
+            kw = self.keyword("module", "random", "mutates", "flops")
+            if kw == "module":
+                t = self.match(_NAME_RE, "NAME") or self.match(_STRING_RE, "STRING")
+                if t is None:
+                    raise _GiveUp
+                attrs.append(("module", _wordval(t), t))
+            elif kw == "random":
+                attrs.append(("random", True, None))
+            elif kw == "mutates":
+                self.expect("(")
+                ms = [self.ref()]
+                while self.char(","):
+                    ms.append(self.ref())
+                self.expect(")")
+                attrs.append(("mutates", ms, ms[0]))
+            elif kw == "flops":
+                t = self.match(_FLOAT_RE, "FLOAT") or self.match(_INT_RE, "INT")
+                if t is None:
+                    raise _GiveUp
+                attrs.append(("flops", float(t), t))
+            else:
+                raise _GiveUp
+        return _make_node(name_tok, outs, op, op_t, items, attrs, refs)
+
+    def item(self, refs: list):
+        i = self.ws()
+        s = self.s
+        m = _NAME_RE.match(s, i)
+        if m is not None and not s.startswith("device(", i):
+            # a keyword argument, or a name argument
+            j = _WS_RE.match(s, m.end()).end()
+            if s.startswith("=", j):
+                key = m.group()
+                if key in self.reserved:
+                    raise _GiveUp
+                kt = _Token("NAME", key, self.ln, i + 1)
+                self.i = j + 1
+                return _Kw(key, self.arg(refs), kt)
+        elif s.startswith('"', i):
+            m = _STRING_RE.match(s, i)
+            if m is None:
+                raise _GiveUp
+            j = _WS_RE.match(s, m.end()).end()
+            if s.startswith("=", j):
+                kt = _Token("STRING", m.group(), self.ln, i + 1)
+                self.i = j + 1
+                return _Kw(_str(kt), self.arg(refs), kt)
+        return self.arg(refs)
+
+    def arg(self, refs: list):
+        i = self.ws()
+        s = self.s
+        if i >= len(s):
+            raise _GiveUp
+        c = s[i]
+        if c == "[":
+            self.i = i + 1
+            items = []
+            if not self.char("]"):
+                items.append(self.arg(refs))
+                while self.char(","):
+                    items.append(self.arg(refs))
+                self.expect("]")
+            return Seq(items)
+        if c == '"':
+            return self.string()
+        if c == "%":
+            t = self.ref()
+            refs.append(t)
+            return Ref(str(t))
+        if c == "-" or c.isdigit():
+            if s.startswith("-inf", i):
+                if _NAME_RE.match(s, i + 1).end() != i + 4:  # -infinity, -inf.x: let lark decide
+                    raise _GiveUp
+                self.i = i + 4
+                return Special("-inf")
+            t = self.raw(_FLOAT_RE)
+            if t is not None:
+                return float(t)
+            return self.int()
+        if s.startswith("device(", i):
+            t = self.match(_DEVICE_RE, "DEVICE")
+            if t is None:
+                raise _GiveUp
+            return _device(t)
+        t = self.name()
+        if t is None:
+            raise _GiveUp
+        if t in _ARG_WORDS:
+            return _ARG_WORDS[t]
+        if t in _ARG_SPECIALS:
+            return Special(_ARG_SPECIALS[t])
+        if t in self.reserved:
+            raise _GiveUp
+        if t.startswith("torch."):
+            return _torch_const(t)
+        refs.append(t)
+        return Ref(str(t))
 
 
 def _assemble(parts) -> Program:
@@ -995,29 +1531,48 @@ def parse_program(text: str, filename: str = "<string>") -> Program:
         raise TypeError(f"parse_program expects str, got {type(text).__name__}")
     if not text.endswith("\n"):
         text += "\n"
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # many small objects, no cycles: collections only cost time
+    try:
+        try:
+            parts = _FastReader(text).read()
+        except Exception:  # noqa: BLE001 - anything unusual: lark decides
+            parts = _lark_parse(text, filename)
+        return _assemble(parts)
+    except _Sem as e:
+        line, col = _pos(e.tok)
+        raise RirSyntaxError(filename, line, col, e.message) from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _lark_parse(text: str, filename: str):
+    import lark.exceptions as le
     lk = _lark()
     tr = _parser_cache["transformer"]
-    import lark.exceptions as le
+    post = _parser_cache["postlex"]
     with _PARSE_LOCK:
         tr.reset()
+        post.text = text
         try:
-            parts = lk.parse(text)
-            return _assemble(parts)
-        except _Sem as e:
-            line, col = _pos(e.tok)
-            raise RirSyntaxError(filename, line, col, e.message) from None
+            return lk.parse(text)
+        except _Sem:
+            raise
         except le.VisitError as e:  # a callback failed outside our control
             orig = e.orig_exc
             if isinstance(orig, _Sem):
-                line, col = _pos(orig.tok)
-                raise RirSyntaxError(filename, line, col, orig.message) from None
+                raise orig from None
             raise RirSyntaxError(filename, 1, 1, f"cannot read plan: {orig}") from None
         except le.UnexpectedInput as e:
             raise _syntax_error(e, text, filename) from None
         except le.LarkError as e:
             raise RirSyntaxError(filename, 1, 1, f"cannot read plan: {e}") from None
         except RecursionError:
-            raise RirSyntaxError(filename, 1, 1, "nesting too deep") from None
+            raise RirSyntaxError(filename, 1, 1, "lists nested too deeply") from None
+        finally:
+            tr.reset()
+            post.text = ""
 
 
 # ----------------------------------------------------------- syntax errors
@@ -1036,15 +1591,11 @@ _TERMINAL_WORDS = {
 }
 _ARG_START = {"NAME", "PERCENT", "INT", "FLOAT", "STRING", "TRUE", "FALSE", "NONE", "INF", "NAN",
               "DEVICE", "LSQB"}
-
-
-def _describe_terminal(name: str) -> str:
-    if name in _TERMINAL_WORDS:
-        return _TERMINAL_WORDS[name]
-    t = _parser_cache.get("terminals", {}).get(name)
-    if t is not None and type(t.pattern).__name__ == "PatternStr":
-        return f"`{t.pattern.value}`"
-    return name.lower()
+# Which section a line starting with this word belongs to.
+_SECTION_OF = {"compute": "forward", "recompute": "forward", "free": "forward",
+               "result": "outputs", "grad": "outputs"}
+_SECTION_ORDER = {"values": 0, "graph": 1, "forward": 2, "backward": 3, "outputs": 4}
+_ORDER_TEXT = "sections come in this order: values, graph forward|backward, forward, backward, outputs"
 
 
 def _literal(name: str) -> str | None:
@@ -1054,23 +1605,30 @@ def _literal(name: str) -> str | None:
     return None
 
 
+def _describe_terminal(name: str) -> str:
+    if name in _TERMINAL_WORDS:
+        return _TERMINAL_WORDS[name]
+    lit = _literal(name)
+    return f"`{lit}`" if lit is not None else name.lower()
+
+
 def _expected_words(expected) -> str:
     names = set(expected)
     words: list[str] = []
     if len(names & _ARG_START) >= 8:
         names -= _ARG_START
-        words.append("an argument (a value name, number, string, true/false/none, list, torch.* "
-                     "constant or device(...))")
+        words.append("an argument (a value name, number, string, true/false/none, list, "
+                     "torch.* constant or device(...))")
     elif {"NAME", "PERCENT"} <= names:
         names -= {"NAME", "PERCENT"}
         words.append("a name")
     names.discard("PERCENT")
-    lits = sorted(n for n in names if _literal(n) is not None)
-    rest = sorted(n for n in names if _literal(n) is None)
-    words += [_describe_terminal(n) for n in rest if n != "_NL"]
-    words += [_describe_terminal(n) for n in lits]
-    if "_NL" in names:
-        words.append("end of line")
+    rest = sorted(n for n in names if _literal(n) is None and n not in ("_NL", "$END"))
+    lits = sorted(_describe_terminal(n) for n in names if _literal(n) is not None)
+    words += [_describe_terminal(n) for n in rest] + lits
+    for n in ("_NL", "$END"):
+        if n in names:
+            words.append(_TERMINAL_WORDS[n])
     if len(words) > 10:
         words = words[:10] + ["..."]
     if not words:
@@ -1093,72 +1651,132 @@ def _describe_token(tok) -> str:
     return f"{_describe_terminal(tok.type)} `{s}`"
 
 
+def _exact_accepts(state) -> set[str] | None:
+    """The terminals the parser could take in `state`, found by simulating
+    reductions on the state stack only (LALR's own `expected` sets merge the
+    lookaheads of every context a rule is used in)."""
+    try:
+        from lark.parsers.lalr_analysis import Shift
+        conf = state.parse_conf
+        states = conf.states
+        stack0 = list(state.state_stack)
+        end = conf.end_state
+    except (AttributeError, ImportError):
+        return None
+    terms = _parser_cache.get("terminal_names")
+    if terms is None:
+        terms = {k for st in states.values() for k in st if k.isupper() or k == "$END"}
+        _parser_cache["terminal_names"] = terms
+    out = set()
+    for t in terms:
+        stack = list(stack0)
+        for _ in range(100000):
+            act = states[stack[-1]].get(t)
+            if act is None:
+                break
+            action, arg = act
+            if action is Shift:
+                out.add(t)
+                break
+            size = len(arg.expansion)
+            if size:
+                del stack[-size:]
+            goto = states[stack[-1]].get(arg.origin.name)
+            if goto is None:
+                break
+            stack.append(goto[1])
+            if stack[-1] == end:
+                out.add(t)
+                break
+    return out
+
+
+def _section_at(lines: list[str], line: int) -> str:
+    """The section line `line` (1-based) is in, judged by the section lines above it."""
+    for src in reversed(lines[:line - 1]):
+        w = src.split("#", 1)[0].split()
+        if w and not src[:1].isspace() and w[0] in _SECTION_ORDER:
+            return w[0]
+    return "header"
+
+
 def _syntax_error(e, text: str, filename: str) -> RirSyntaxError:
     import lark.exceptions as le
     lines = text.split("\n")
-    line = getattr(e, "line", -1) or -1
-    col = getattr(e, "column", -1) or -1
-    if line < 1:
-        line = max(1, len(lines) - 1 if text.endswith("\n") else len(lines))
+    nlines = len(lines) - 1 if text.endswith("\n") else len(lines)
+    line = getattr(e, "line", -1)
+    col = getattr(e, "column", -1)
+    if not isinstance(line, int) or line < 1:
+        line, col = max(1, nlines), 1
+    if not isinstance(col, int) or col < 1:
         col = 1
-    if col < 1:
-        col = 1
+    state = getattr(e, "state", None)
+    accepts = _exact_accepts(state) if state is not None else None
+
     if isinstance(e, le.UnexpectedCharacters):
+        allowed = accepts if accepts is not None else set(getattr(e, "allowed", None) or ())
         ch = e.char
         if ch == '"':
-            msg = "unterminated string literal (strings end with `\"` on the same line)"
+            msg = "unterminated string literal (a string ends with `\"` on the same line)"
         else:
             msg = f"unexpected character {ch!r}"
-            allowed = getattr(e, "allowed", None)
             if allowed:
                 msg += f"; expected {_expected_words(allowed)}"
         return RirSyntaxError(filename, line, col, msg)
 
     tok = getattr(e, "token", None)
-    expected = set(getattr(e, "expected", None) or ())
-    found = _describe_token(tok) if tok is not None else "end of file"
-    sections_expected = [s for s in SECTIONS if s.upper() in expected]
+    expected = accepts if accepts else set(getattr(e, "expected", None) or ())
     is_end = tok is None or tok.type == "$END"
-
-    # A lone unknown word at the start of a line where a section could begin.
+    found = "end of file" if is_end else _describe_token(tok)
+    if is_end:
+        line, col = max(1, nlines), max(1, len(lines[nlines - 1]) + 1 if nlines else 1)
     src = lines[line - 1] if 0 < line <= len(lines) else ""
     code = src.split("#", 1)[0]
     words = code.split()
-    if (sections_expected and words and not code[:1].isspace() and len(words) <= 2
-            and words[0] not in SECTIONS and words[0] not in HEADER_FIELDS and words[0] != "rir"
-            and _NAME_RE.fullmatch(words[0])):
+    lead = words[0] if words else ""
+    sections = [s for s in _SECTION_ORDER if s.upper() in expected]
+
+    # A lone unknown word at the start of a line: a misspelt section or header line.
+    if (not is_end and words and not code[:1].isspace() and len(words) <= 2 and "=" not in code
+            and lead not in _SECTION_ORDER and lead not in HEADER_FIELDS and lead != "rir"
+            and lead not in _SECTION_OF and _NAME_RE.fullmatch(lead)):
         header_too = any(f.upper() in expected for f in HEADER_FIELDS)
-        choices = list(SECTIONS) + (list(HEADER_FIELDS) if header_too else [])
-        close = difflib.get_close_matches(words[0], choices, n=1)
+        choices = list(_SECTION_ORDER) + (list(HEADER_FIELDS) if header_too else [])
+        close = difflib.get_close_matches(lead, choices, n=1)
         hint = f"; did you mean `{close[0]}`?" if close else ""
         what = "header line or section" if header_too else "section"
-        return RirSyntaxError(filename, line, 1,
-                              f"unknown {what} `{words[0]}`{hint} (sections come in this order: "
-                              f"values, graph forward|backward, forward, backward, outputs)")
+        return RirSyntaxError(filename, line, 1, f"unknown {what} `{lead}`{hint} ({_ORDER_TEXT})")
 
     msg = f"expected {_expected_words(expected)}, found {found}"
-    if sections_expected:
-        missing = sections_expected[-1]
-        later = tok is not None and tok.type in {s.upper() for s in SECTIONS} \
-            and SECTIONS.index(str(tok)) > SECTIONS.index(missing)
+    if sections:
+        missing = sections[-1]
+        word = str(tok) if not is_end else ""
+        later = _SECTION_ORDER.get(word, -1)
+        if word in _SECTION_OF:
+            later = _SECTION_ORDER[_SECTION_OF[word]] + 0.5
         if is_end:
-            msg += (f": the file ends before section `{missing}` (truncated?); sections come in "
-                    f"this order: values, graph, forward, backward, outputs")
-        elif later:
-            msg += (f": section `{missing}` is missing; sections come in this order: values, graph, "
-                    f"forward, backward, outputs")
+            msg += f": the file ends before the `{missing}` section (truncated?); {_ORDER_TEXT}"
+        elif later > _SECTION_ORDER[missing]:
+            msg += f": the `{missing}` section is missing; {_ORDER_TEXT}"
+        elif (code[:1].isspace() and lead == word
+              and expected <= {k.upper() for k in (*_SECTION_ORDER, *HEADER_FIELDS)} | {"_NL"}):
+            msg += f"; is the `{missing}` line missing above?"
     elif is_end:
-        msg += ": the file ends in the middle of a line (truncated?)"
+        msg += ": the file ends early (truncated?)"
+    elif (lead in _SECTION_OF and col > len(src) - len(src.lstrip()) + 1
+          and _section_at(lines, line) not in (_SECTION_OF[lead], "backward")):
+        sec = _SECTION_OF[lead]
+        where = "`forward` or `backward`" if sec == "forward" else f"`{sec}`"
+        msg += f"; `{lead}` lines belong in the {where} section: is its header line missing?"
+    elif "=" in code and expected and expected <= {k.upper() for k in VALUE_DECL_KINDS}:
+        msg += "; this looks like a node line: is the `graph forward` line missing?"
     if tok is not None and tok.type == "NAME":
-        lits = [_literal(n) for n in expected if _literal(n) and _NAME_RE.fullmatch(_literal(n))]
+        lits = [lit for n in expected if (lit := _literal(n)) and _NAME_RE.fullmatch(lit)]
         close = difflib.get_close_matches(str(tok), lits, n=1)
         if close:
             msg += f"; did you mean `{close[0]}`?"
-        elif str(tok) in _reserved() or str(tok) in {_literal(n) for n in _parser_cache["terminals"]}:
-            pass
-    if tok is not None and tok.type in {"GRAPH", "FORWARD", "BACKWARD", "VALUES", "OUTPUTS", "UNDERSCORE",
-                                         "TRUE", "FALSE", "NONE", "INF", "NAN"} and "NAME" in expected:
-        msg += f"; a value named `{tok}` is written %\"{tok}\""
+    if lead in _reserved() and "NAME" not in expected and not is_end and col > 1:
+        msg += f" (`{lead}` is a keyword here; a value of that name is written %\"{lead}\")"
     return RirSyntaxError(filename, line, col, msg)
 
 

@@ -142,8 +142,11 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
         return out
 
     # A first pass to learn the forward results' structure and shapes.
-    with mode:
-        probe = run(f_params, f_bufs, f_inputs)
+    try:
+        with mode:
+            probe = run(f_params, f_bufs, f_inputs)
+    except Exception as e:  # noqa: BLE001 - the model's own code failed under fake tensors
+        raise _explain(e) from e
     flat_probe, spec = pytree.tree_flatten(probe)
     for o in flat_probe:
         if not isinstance(o, torch.Tensor):
@@ -177,13 +180,27 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - make_fx raises many kinds; say what failed
-        raise TraceError(f"tracing failed: {type(e).__name__}: {e}") from e
+        raise _explain(e) from e
     finally:
         for h in hooks:
             h.remove()
 
     return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                        loss_fn is not None, model_name)
+
+
+def _explain(e: Exception) -> TraceError:
+    """A TraceError naming the op when tracing hit one a static program cannot hold."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    if isinstance(e, (DynamicOutputShapeException, DataDependentOutputException)):
+        return TraceError(f"unsupported op {e.func}: its output depends on tensor values, which a plan "
+                          "with static shapes cannot replay; rewrite the model without it (e.g. use "
+                          "torch.where instead of boolean indexing)")
+    name = type(e).__name__
+    if "DataDependent" in name or "GuardOnDataDependent" in name:
+        return TraceError(f"unsupported data-dependent operation: {str(e).splitlines()[0]}")
+    return TraceError(f"tracing failed: {name}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 def _tag_backward_ops(outputs) -> None:

@@ -16,9 +16,12 @@ The rules (the runtime semantics the interpreter and autograd implement):
 * every node is `compute`d exactly once, forward nodes in the forward
   section, backward nodes in the backward section;
 * `recompute` repeats a forward node already computed, whose outputs are all
-  dead; it may replay a random node (the interpreter replays its RNG state)
-  but never a node that updates a value in place, nor a node whose inputs were
-  updated in place since it was first computed;
+  dead (and no live view still holds an output's storage); it may replay a
+  random node (the interpreter replays its RNG state) but never apply an
+  in-place update twice to the same storage (a buffer update can never be
+  recomputed; `bernoulli_` on a temporary can, once the temporary's producer
+  was recomputed into a fresh storage), nor read a storage updated in place
+  since it was first computed;
 * every operand of a compute/recompute is live; a view becomes live only while
   its storage is live (a storage lives while any value aliasing it is live);
 * `free V` needs V live, and V not a graph input, a forward result or a
@@ -26,9 +29,12 @@ The rules (the runtime semantics the interpreter and autograd implement):
   of backward, except forward results (the caller holds them) and gradient
   outputs (handed to autograd right after the instruction that computes them,
   and never read after it);
-* an operand a node updates in place is not read by any later instruction
-  (readers use the node's output), and no node reads a storage updated in
-  place after the point the graph says it reads it;
+* in-place updates keep graph order: a node reading a storage (through any
+  value aliasing it) sees exactly the updates that precede it in the graph,
+  so a reader of the old data never runs after the update and a reader of the
+  new data never before it (readers after an update may name the updated
+  operand itself: `native_batch_norm_backward` reads the running stats
+  `native_batch_norm` updated, as eager autograd does);
 * the graph is consistent: names are declared and unique, shapes, strides and
   byte counts agree, views name their storage owner, outputs are well formed,
   every trainable parameter that some node reads gets a gradient;
@@ -169,6 +175,7 @@ class _Verifier:
         self.nodes: dict[str, Node] = {}
         for n in program.nodes:
             self.nodes.setdefault(n.name, n)
+        self.inputs: dict[int, list[str]] = {id(n): node_inputs(n) for n in program.nodes}
         self.producer: dict[str, Node] = {}
         for n in program.nodes:
             for o in n.outputs:
@@ -294,7 +301,7 @@ class _Verifier:
                 elif o in out_seen:
                     self.err(loc, f"node {n.name} lists output {o} twice")
                 out_seen.setdefault(o, n.name)
-            ins = node_inputs(n)
+            ins = self.inputs[id(n)]
             for m in n.mutates:
                 if m not in ins:
                     self.err(loc, f"node {n.name} mutates {m}, which is not one of its operands "
@@ -348,7 +355,7 @@ class _Verifier:
 
         read: set[str] = set()
         for n in p.nodes:
-            read.update(node_inputs(n))
+            read.update(self.inputs[id(n)])
         for i, val in enumerate(p.values):
             if val.kind == PARAM and val.requires_grad and val.name not in gkeys and val.name in read:
                 self.err(("values", i, 0), f"gradient of {val.name} is never produced: the parameter "
@@ -367,10 +374,21 @@ class _Verifier:
         self.last_touch: dict[str, Loc] = {}
         self.computed_at: dict[str, Loc] = {}
         self.computed_t: dict[str, int] = {}
-        self.mutated: dict[str, tuple[Loc, str]] = {}  # value -> (where, node) updated in place
-        self.storage_muts: dict[str, list] = {}  # storage -> [(t, graph index, loc, node)]
+        # In-place updates.  A node must see a storage exactly as the graph
+        # order says: updated by the mutators before it, not by those after.
+        self.mutators: dict[str, list[tuple[int, str, str]]] = {}  # storage -> [(graph index, node, operand)]
+        for n in p.nodes:
+            for m in n.mutates:
+                if m in values and self.nodes.get(n.name) is n:
+                    self.mutators.setdefault(values[m].storage, []).append(
+                        (self.gidx.get(n.name, 0), n.name, m))
+        # A storage *instance* is one allocation: a recompute of its owner after
+        # it was released makes a fresh one, which no update has touched yet.
+        self.inst: dict[str, int] = {}  # live storage -> its current instance
+        self.n_inst = 0
+        self.inst_ran: dict[int, dict[str, tuple[int, Loc]]] = {}  # instance -> mutator -> (t, loc)
         self.reported_refs: set[str] = set()  # nodes whose undeclared names were reported
-        self.undeclared_reads: set[tuple[str, str]] = set()
+        self.made_at: dict[str, Loc] = {}  # value -> where its current lifetime began
 
         # Where each node is first `compute`d, for messages about order.
         self.first_compute: dict[str, Loc] = {}
@@ -407,8 +425,12 @@ class _Verifier:
     def _make_live(self, name: str, loc: Loc, phantom: bool = False) -> None:
         self.live.add(name)
         s = self.values[name].storage
+        if self.srefs.get(s, 0) <= 0:  # a new allocation
+            self.n_inst += 1
+            self.inst[s] = self.n_inst
         self.srefs[s] = self.srefs.get(s, 0) + 1
         self.last_touch[name] = loc
+        self.made_at[name] = loc
         if phantom:
             self.phantom.add(name)
         else:
@@ -468,14 +490,14 @@ class _Verifier:
                 else:
                     self.err(loc, f"recompute {name}: {name} is never computed; write `compute {name}`")
                 ok = False
-            if node.mutates:
-                self.err(loc, f"recompute {name}: {name} updates {', '.join(node.mutates)} in place, "
-                              f"so running it again would apply the update twice; keep its outputs "
-                              f"live instead of recomputing it")
-                ok = False
+            for m in node.mutates:
+                msg = self._double_update(name, m)
+                if msg:
+                    self.err(loc, msg)
+                    ok = False
 
         # Names the node uses that the graph does not declare (reported once per node).
-        inputs = node_inputs(node)
+        inputs = self.inputs[id(node)]
         outs = [o for o in node.outputs if o]
         if name not in self.reported_refs:
             self.reported_refs.add(name)
@@ -498,44 +520,21 @@ class _Verifier:
                 self._make_live(r, loc, phantom=True)  # report each dead lifetime once
                 continue
             self.last_touch[r] = loc
-            mut = self.mutated.get(r)
-            if mut is not None:
-                mloc, mnode = mut
-                self.err(loc, f"{verb} {name} reads {r}, which {mnode} updated in place at "
-                              f"{_where(mloc)}; read {self._updated_name(mnode, r)} (the output of "
-                              f"{mnode}) instead, or move {verb} {name} before {_where(mloc)}")
-                ok = False
-                continue
-            muts = self.storage_muts.get(values[r].storage)
-            if muts:
-                gi = self.gidx.get(name, 0)
-                t0 = self.computed_t.get(name)
-                for (mt, mgi, mloc, mnode) in muts:
-                    if mnode == name:
-                        continue
-                    if verb == RECOMPUTE and t0 is not None and mt > t0:
-                        self.err(loc, f"recompute {name} reads {r}, whose storage {mnode} updated in "
-                                      f"place at {_where(mloc)}, after {name} was first computed at "
-                                      f"{_where(self.computed_at[name])}; the recompute would see "
-                                      f"different data, keep the outputs of {name} live instead")
-                        ok = False
-                        break
-                    if mgi > gi:
-                        self.err(loc, f"{verb} {name} reads {r}, whose storage {mnode} already updated "
-                                      f"in place at {_where(mloc)}, but {name} comes before {mnode} in "
-                                      f"the graph and must see the old data; schedule {verb} {name} "
-                                      f"before {_where(mloc)}")
-                        ok = False
-                        break
+            if values[r].storage in self.mutators:
+                msg = self._stale_read(verb, name, r, t)
+                if msg:
+                    self.err(loc, msg)
+                    ok = False
 
-        # Outputs must be dead before a node runs again.
-        if verb == RECOMPUTE or not first:
+        # Outputs must be dead before a node runs again (a repeated `compute`
+        # was reported above already).
+        if verb == RECOMPUTE:
             for o in outs:
                 if o not in values:
                     continue
                 if o in self.live:
                     self.err(loc, f"{verb} {name}: its output {o} is still live (made at "
-                                  f"{_where(self.last_touch.get(o, loc))}); free {o} before this "
+                                  f"{_where(self.made_at.get(o, loc))}); free {o} before this "
                                   f"{verb}, or drop the {verb} and keep {o}")
                     ok = False
                 elif values[o].storage == o and self.srefs.get(o, 0) > 0:
@@ -560,9 +559,9 @@ class _Verifier:
             self.computed_t[name] = t
         for m in node.mutates:
             if m in values:
-                self.mutated[m] = (loc, name)
-                self.storage_muts.setdefault(values[m].storage, []).append(
-                    (t, self.gidx.get(name, 0), loc, name))
+                inst = self.inst.get(values[m].storage)
+                if inst is not None:
+                    self.inst_ran.setdefault(inst, {}).setdefault(name, (t, loc))
 
         # Gradient outputs go to autograd right after this instruction.
         for o in outs:
@@ -574,14 +573,52 @@ class _Verifier:
                 self._drop(o)
                 self.handed_at[o] = loc
 
-    def _updated_name(self, mnode: str, r: str) -> str:
-        node = self.nodes[mnode]
+    def _double_update(self, name: str, m: str) -> str:
+        """Why recomputing mutating node `name` would update `m` twice, or ""."""
+        val = self.values.get(m)
+        if val is None:
+            return ""
+        got = self.inst_ran.get(self.inst.get(val.storage, -1), {}).get(name)
+        if got is None:
+            return ""  # a fresh storage (its producer was recomputed): the update applies once
+        head = (f"recompute {name}: {name} updates {m} in place and already did so at {_where(got[1])}, "
+                f"so running it again would apply the update twice")
+        owner = self.values.get(val.storage)
+        if val.kind in GRAPH_INPUT_KINDS or (owner is not None and owner.kind in GRAPH_INPUT_KINDS):
+            return f"{head} ({m} is a {owner.kind if owner else val.kind} the step updates once); keep the " \
+                   f"outputs of {name} live instead of recomputing it"
+        prod = self.producer.get(val.storage)
+        fresh = f"recompute {prod.name} first (after the old storage is released) so the update " \
+                f"applies to fresh data, or " if prod is not None else ""
+        return f"{head}; {fresh}keep the outputs of {name} live instead of recomputing it"
+
+    def _stale_read(self, verb: str, name: str, r: str, t: int) -> str:
+        """Why reading `r` here sees other data than the graph says, or ""."""
         s = self.values[r].storage
-        outs = [o for o in node.outputs if o]
-        for o in outs:
-            if o in self.values and self.values[o].storage == s:
-                return o
-        return outs[0] if outs else f"the result of {mnode}"
+        alias = "" if s == r else f" (a view of {s})"
+        ran = self.inst_ran.get(self.inst.get(s, -1), {})
+        t0 = self.computed_t.get(name)
+        gi = self.gidx.get(name, 0)
+        for (mgi, mnode, operand) in self.mutators[s]:
+            if mnode == name:
+                continue
+            got = ran.get(mnode)
+            if mgi > gi and got is not None:
+                if verb == RECOMPUTE and t0 is not None and got[0] > t0:
+                    return (f"recompute {name} reads {r}{alias}, which {mnode} updated in place at "
+                            f"{_where(got[1])}, after {name} was first computed at "
+                            f"{_where(self.computed_at[name])}; the recompute would see different data, "
+                            f"keep the outputs of {name} live instead")
+                return (f"{verb} {name} reads {r}{alias}, which {mnode} already updated in place at "
+                        f"{_where(got[1])}, but {name} comes before {mnode} in the graph and must see "
+                        f"the old data; schedule {verb} {name} before {_where(got[1])}")
+            if mgi < gi and got is None:
+                fc = self.first_compute.get(mnode)
+                when = f" (it runs at {_where(fc)})" if fc is not None and mnode not in self.computed_at else ""
+                return (f"{verb} {name} reads {r}{alias} before {mnode} updates {operand} in place"
+                        f"{when}, but {name} comes after {mnode} in the graph and must see the updated "
+                        f"data; run {mnode} on this storage first")
+        return ""
 
     def _dead_read(self, verb: str, name: str, r: str, loc: Loc) -> str:
         head = f"{verb} {name} reads {r}"
@@ -648,16 +685,17 @@ class _Verifier:
             else:
                 prod = self.producer.get(name)
                 if prod is None:
-                    why = "no node produces it"
+                    why, fix = "no node produces it", "remove this free"
                 elif prod.name in self.first_compute and prod.name not in self.computed_at:
                     why = (f"its producer {prod.name} is computed later, at "
                            f"{_where(self.first_compute[prod.name])}")
+                    fix = f"move this free after {_where(self.first_compute[prod.name])}"
                 elif prod.name not in self.computed_at:
                     why = f"its producer {prod.name} is never computed"
+                    fix = f"add `compute {prod.name}` before it or remove this free"
                 else:
-                    why = "it is not live here"
-                self.err(loc, f"free {name}: {name} was never made live ({why}); remove this free or "
-                              f"move it after the {name} is computed")
+                    why, fix = "it is not live here", "remove this free"
+                self.err(loc, f"free {name}: {name} was never made live ({why}); {fix}")
             return
         self._drop(name)
         self.freed_at[name] = loc
@@ -690,8 +728,10 @@ class _Verifier:
                 what = f"{'tangent ' if val.kind == TANGENT else ''}{name} is never freed (leak); add " \
                        f"`free {name}` at the start of backward"
             else:
+                last = "where it is made (nothing reads it)" if self.made_at.get(name) == loc else \
+                    "its last use"
                 what = (f"{name} is never freed: it is still live at the end of backward (leak); add "
-                        f"`free {name}` after {_where(loc)}, its last use")
+                        f"`free {name}` after {_where(loc)}, {last}")
             self.err(loc, what)
         for i, o in enumerate(p.outputs):
             if o.kind != GRAD or o.value not in self.values or o.value in self.handed_at:

@@ -3,6 +3,8 @@
 `random_program(rng_or_draw, n_forward=...)` builds a forward DAG over inputs,
 parameters and a buffer (matmuls, elementwise ops, views and transposes that
 alias their input's storage, random dropout nodes with an (out, mask) pair,
+dropouts as make_fx traces them (empty_like, then bernoulli_ and div_ updating
+that temporary in place),
 layer norms with saved statistics, an in-place buffer update), a scalar loss
 that sums every leaf, the loss's tangent, a backward graph derived from the
 forward one (reading the tangent, backward temporaries and saved forward
@@ -214,6 +216,24 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
         recipes.append(("dropout", nn, [a], [out, mask], None))
         return out
 
+    def emit_inplace_dropout(a: str):
+        """Dropout as make_fx traces it: empty_like, bernoulli_ (random, in place), div_ (in place), mul."""
+        base = f"idrop{len(b.nodes)}"
+        shape = b.shape(a)
+        e = b.value(f"{base}.empty_like", VALUE, shape)
+        b.node(e, "aten.empty_like.default", [Ref(a)], [e], FORWARD)
+        bern = b.value(f"{base}.bernoulli_", VALUE, shape, view_of=e)
+        b.node(bern, "aten.bernoulli_.float", [Ref(e), 0.9], [bern], FORWARD, random=True, mutates=[e],
+               flops=_numel(shape))
+        d = b.value(f"{base}.div_", VALUE, shape, view_of=e)
+        b.node(d, "aten.div_.Scalar", [Ref(bern), 0.9], [d], FORWARD, mutates=[bern], flops=_numel(shape))
+        out = b.value(f"{base}.mul", VALUE, shape)
+        rg[e] = rg[bern] = rg[d] = False
+        rg[out] = rg[a]
+        nn = b.node(out, "aten.mul.Tensor", [Ref(a), Ref(d)], [out], FORWARD, flops=_numel(shape))
+        recipes.append(("inplace_dropout", nn, [a], [out], d))
+        return out
+
     def emit_layernorm(a: str):
         n, k = b.shape(a)
         w = new_param([k], True, prefix="ln_w")
@@ -261,7 +281,7 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
             out = emit_buffer_update(a)
             buffer_done = True
         elif r < p_dropout:
-            out = emit_dropout(a)
+            out = emit_dropout(a) if rng.random() < 0.6 else emit_inplace_dropout(a)
         elif r < p_dropout + p_view:
             out = emit_view(a)
         elif r < p_dropout + p_view + p_layernorm:
@@ -399,6 +419,12 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
             da = b.value(f"d.{a}", VALUE, b.shape(a))
             b.node(f"d.{nname}", "aten.native_dropout_backward.default", [Ref(g), Ref(outs[1]), 1.0 / 0.9],
                    [da], BACKWARD, flops=_numel(b.shape(a)))
+            give(a, da)
+        elif kind == "inplace_dropout":
+            a = ins[0]
+            da = b.value(f"d.{a}", VALUE, b.shape(a))
+            b.node(f"d.{nname}", "aten.mul.Tensor", [Ref(g), Ref(extra)], [da], BACKWARD,
+                   flops=_numel(b.shape(a)))
             give(a, da)
         elif kind == "layernorm":
             a, w, bias = ins

@@ -1,8 +1,8 @@
 """The verifier accepts valid programs and rejects broken ones at the right line."""
 from __future__ import annotations
 
+import os
 import random
-import time
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -20,7 +20,9 @@ try:  # tests/ as a package, or as a plain directory on sys.path
 except ImportError:
     from programs import assign_lines, copy_program, programs, random_program
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# REMAT_VERIFY_EXAMPLES=500 for a deeper run.
+SETTINGS = settings(max_examples=int(os.environ.get("REMAT_VERIFY_EXAMPLES", 30)), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 # ------------------------------------------------------------------ helpers
@@ -261,16 +263,20 @@ def _live_before(p):
 
 
 def _recompute_points(p, node):
+    """Where `node` may be recomputed: computed before, inputs live, outputs
+    dead and no live view still holding an output's storage."""
+    vals = p.value_map()
     outs = [o for o in node.outputs if o]
     ins = node_inputs(node)
     return [(sec, i) for sec, i, live, computed in _live_before(p)
-            if node.name in computed and all(o not in live for o in outs) and all(r in live for r in ins)]
+            if node.name in computed and all(r in live for r in ins)
+            and not any(vals[x].storage in outs for x in live)]
 
 
 @SETTINGS
 @given(programs(min_forward=6), st.data())
 def test_recompute_of_a_random_node_is_accepted(p, data):
-    rnd = [n for n in p.nodes if n.random]
+    rnd = [n for n in p.nodes if n.random and not n.mutates]
     assume(rnd)
     node = data.draw(st.sampled_from(rnd), label="random node")
     points = _recompute_points(p, node)
@@ -296,7 +302,8 @@ def test_recompute_of_a_mutating_node_is_rejected(p, data):
     v = verify(lined(p))
     assert not v.ok
     errs = line_errors(v, rec.line)
-    assert any(f"updates {node.mutates[0]} in place" in e.message for e in errs), str(v)
+    assert any(f"updates {node.mutates[0]} in place and already did so at line" in e.message
+               and "twice" in e.message for e in errs), str(v)
     assert all(e.line == rec.line for e in v.errors), str(v)
 
 
@@ -304,7 +311,7 @@ def test_mutating_node_recompute_vs_random_recompute_same_program():
     """The same position: a dropout recompute is fine, the buffer update is not."""
     for seed in range(200):
         p = random_program(seed, n_forward=12, with_buffer=True)
-        rnd = [n for n in p.nodes if n.random]
+        rnd = [n for n in p.nodes if n.random and not n.mutates]
         pts = _recompute_points(p, rnd[0]) if rnd else []
         if pts:
             break
@@ -452,18 +459,38 @@ def test_backward_node_in_forward():
                for e in v.errors), str(v)
 
 
-def test_read_of_a_value_after_its_in_place_update():
+def test_read_of_a_buffer_after_its_in_place_update_is_allowed():
+    """Like `native_batch_norm_backward` reading the running stats that
+    `native_batch_norm` updated: a node after the update in the graph sees the
+    updated data, which is what the graph says."""
+    p = _prog(with_buffer=True)
+    nodes = p.node_map()
+    mut = next(n for n in p.nodes if n.mutates)
+    buf = mut.mutates[0]
+    i = next(i for i, ins in enumerate(p.backward) if ins.kind == COMPUTE)
+    nodes[p.backward[i].target].args.append(Ref(buf))
+    check_ok(p)
+
+
+def test_reader_scheduled_before_the_in_place_update_it_follows():
     p = _prog(with_buffer=True)
     nodes = p.node_map()
     mut = next(n for n in p.nodes if n.mutates)
     buf = mut.mutates[0]
     i = next(i for i, ins in enumerate(p.forward) if ins.target == mut.name)
+    # A node after the update (in graph and schedule order) also reads the buffer...
     j = next(j for j in range(i + 1, len(p.forward)) if p.forward[j].kind == COMPUTE)
-    nodes[p.forward[j].target].args.append(Ref(buf))
-    v = verify(p)
-    assert [e.line for e in v.errors] == [p.forward[j].line], str(v)
-    assert f"which {mut.name} updated in place at line {p.forward[i].line}" in v.errors[0].message
-    assert f"read {mut.outputs[0]}" in v.errors[0].message
+    reader = p.forward[j]
+    nodes[reader.target].args.append(Ref(buf))
+    # ...but the update is now scheduled after it.
+    block = [p.forward[i]] + [ins for ins in p.forward[i + 1:j] if ins.kind == FREE and ins.target == mut.outputs[0]]
+    for ins in block:
+        p.forward.remove(ins)
+    k = p.forward.index(reader)
+    p.forward[k + 1:k + 1] = block
+    v = verify(lined(p))
+    assert any(e.line == reader.line and f"reads {buf} before {mut.name} updates {buf} in place" in e.message
+               for e in v.errors), str(v)
 
 
 def test_reader_scheduled_after_the_in_place_update_it_precedes():
@@ -479,6 +506,85 @@ def test_reader_scheduled_after_the_in_place_update_it_precedes():
     v = verify(lined(p))
     assert not v.ok
     assert any("updated in place" in e.message for e in v.errors), str(v)
+
+
+def _inplace_dropout(p):
+    """(empty_like, bernoulli_, div_) of an in-place dropout, or None."""
+    for n in p.nodes:
+        if n.op == "aten.bernoulli_.float":
+            e = n.mutates[0]
+            div = next(m for m in p.nodes if m.mutates == [n.outputs[0]])
+            return p.producer_map()[e], n, div
+    return None
+
+
+def _chain_points(p, chain):
+    empty, bern, div = chain
+    vals = p.value_map()
+    e = empty.outputs[0]
+    return [(sec, i) for sec, i, live, computed in _live_before(p)
+            if div.name in computed and all(r in live for r in node_inputs(empty))
+            and not any(vals[x].storage == e for x in live)]
+
+
+def _find_inplace_dropout_program():
+    for seed in range(300):
+        p = random_program(seed, n_forward=12, p_dropout=0.4)
+        chain = _inplace_dropout(p)
+        if chain and _chain_points(p, chain):
+            return p, chain
+    pytest.fail("no program with a recomputable in-place dropout")  # pragma: no cover
+
+
+def test_recompute_of_an_in_place_dropout_on_a_fresh_storage_is_accepted():
+    """bernoulli_ updates its operand in place, but when empty_like was
+    recomputed first the update applies once, to fresh data."""
+    p, (empty, bern, div) = _find_inplace_dropout_program()
+    sec, i = _chain_points(p, (empty, bern, div))[-1]
+    lst = p.forward if sec == "forward" else p.backward
+    e, b, d = empty.outputs[0], bern.outputs[0], div.outputs[0]
+    lst[i:i] = [Instr(RECOMPUTE, empty.name), Instr(RECOMPUTE, bern.name), Instr(FREE, e),
+                Instr(RECOMPUTE, div.name), Instr(FREE, b), Instr(FREE, d)]
+    check_ok(lined(p))
+
+
+def test_recompute_of_an_in_place_dropout_on_the_same_storage_is_rejected():
+    p, (empty, bern, div) = _find_inplace_dropout_program()
+    e, b, d = empty.outputs[0], bern.outputs[0], div.outputs[0]
+    # Keep the temporary (and so its storage) alive instead of recomputing it.
+    free_e = next(ins for ins in p.forward if ins.kind == FREE and ins.target == e)
+    p.forward.remove(free_e)
+    rec = Instr(RECOMPUTE, bern.name)
+    p.backward += [rec, Instr(FREE, e), Instr(FREE, b)]
+    v = verify(lined(p))
+    assert not v.ok
+    assert any(e_.line == rec.line and f"updates {e} in place and already did so" in e_.message
+               and f"recompute {empty.name} first" in e_.message for e_ in v.errors), str(v)
+
+
+def test_recompute_of_a_reader_after_a_later_update_is_rejected():
+    """A node that read the temporary before div_ updated it cannot be
+    recomputed on the updated storage."""
+    p, (empty, bern, div) = _find_inplace_dropout_program()
+    b, d = bern.outputs[0], div.outputs[0]
+    # A reader of bernoulli_'s output placed between bernoulli_ and div_.
+    probe = "probe"
+    from remat_ir.ir import Node, Value
+    bv = p.value_map()[b]
+    p.values.append(Value(probe, VALUE, bv.dtype, list(bv.shape), list(bv.stride), probe,
+                          needed_bytes(bv.shape, bv.stride, bv.dtype)))
+    pos = [n.name for n in p.nodes].index(div.name)
+    p.nodes.insert(pos, Node(probe, "aten.clone.default", [Ref(b)], {}, [probe], FORWARD))
+    k = next(k for k, ins in enumerate(p.forward) if ins.target == div.name)
+    p.forward[k:k] = [Instr(COMPUTE, probe), Instr(FREE, probe)]
+    check_ok(lined(p))
+    k = next(k for k, ins in enumerate(p.forward) if ins.target == div.name)
+    rec = Instr(RECOMPUTE, probe)
+    p.forward[k + 1:k + 1] = [rec, Instr(FREE, probe)]  # after div_, b still live
+    v = verify(lined(p))
+    assert [e.line for e in v.errors] == [rec.line], str(v)
+    assert f"which {div.name} updated in place at line" in v.errors[0].message
+    assert "after probe was first computed" in v.errors[0].message
 
 
 def test_missing_gradient_output():
@@ -552,20 +658,16 @@ def test_unlined_programs_report_section_and_index():
     assert f"already freed at backward[{f}]" in v.errors[0].message
 
 
-# --------------------------------------------------------------- performance
+# ------------------------------------------------------------------- scale
 
 
-def test_verify_is_fast_on_a_4000_node_program():
-    p = random_program(1, n_forward=1200)
-    n_instr = len(p.forward) + len(p.backward)
-    assert len(p.nodes) >= 4000 and n_instr >= 8000
-    best = float("inf")
-    for _ in range(2):
-        t = time.perf_counter()
-        v = verify(p)
-        best = min(best, time.perf_counter() - t)
-    assert v.ok
-    assert best < 2.0, f"verify took {best:.2f} s on {len(p.nodes)} nodes / {n_instr} instructions"
+def test_verify_a_4000_node_program():
+    """Timings live in tools/timings.py; here only that a big program passes."""
+    p = random_program(1, n_forward=1400)
+    assert len(p.nodes) >= 4000
+    v = verify(p)
+    assert v.ok, v
+    assert v.report.peak_bytes == simulate(p).peak_bytes
 
 
 # ---------------------------------------------------------------- text form

@@ -1,0 +1,107 @@
+"""remat-show: the text summary, the PNG timeline, and bad input."""
+from __future__ import annotations
+
+import pytest
+
+from remat_ir.ir import Budget, Instr, node_inputs
+from remat_ir.show import main
+from remat_ir.simulate import simulate
+from remat_ir.text import format_program
+from remat_ir.trace import trace_builtin
+from remat_ir.verify import verify
+
+
+def _add_recomputes(p):
+    """Free forward values early and recompute them in backward, where that
+    is simple (no views, inputs still live): a plan with recomputes without
+    needing the optimizer."""
+    values, nodes = p.value_map(), p.node_map()
+    viewed = {v.storage for v in p.values if v.storage != v.name}
+    kept = {o.value for o in p.outputs}
+    count = 0
+    for n in [n for n in p.nodes if n.phase == "forward"]:
+        outs = [o for o in n.outputs if o]
+        if n.random or n.mutates or len(outs) != 1:
+            continue
+        o = outs[0]
+        v = values[o]
+        if v.storage != o or o in viewed or o in kept or not v.nbytes:
+            continue
+        reads = lambda ins: ins.kind != "free" and o in node_inputs(nodes[ins.target])  # noqa: E731
+        fwd = [i for i, ins in enumerate(p.forward) if reads(ins)]
+        bwd = [i for i, ins in enumerate(p.backward) if reads(ins)]
+        if not bwd:
+            continue
+        ok = True
+        for x in node_inputs(n):
+            if values[x].kind in ("param", "buffer", "input"):
+                continue
+            frees = [i for i, ins in enumerate(p.backward) if ins.kind == "free" and ins.target == x]
+            if any(ins.kind == "free" and ins.target == x for ins in p.forward) or not frees or frees[0] < bwd[0]:
+                ok = False
+                break
+        if not ok:
+            continue
+        ci = next(i for i, ins in enumerate(p.forward) if ins.kind == "compute" and ins.target == n.name)
+        p.forward.insert((fwd[-1] if fwd else ci) + 1, Instr("free", o))
+        p.backward.insert(bwd[0], Instr("recompute", n.name))
+        count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    p = trace_builtin("gpt2-tiny")
+    assert _add_recomputes(p) >= 1
+    rep = simulate(p)
+    p.header.budget = Budget(int(rep.activation_peak_bytes * 1.1), "activations")
+    assert verify(p).ok
+    path = tmp_path_factory.mktemp("show") / "tiny.rir"
+    path.write_text(format_program(p))
+    return path
+
+
+def test_text_summary(plan_file, capsys):
+    assert main([str(plan_file)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak, steady state" in out
+    assert "at line " in out  # where the peak occurs, as a line of the .rir
+    assert "largest step tensors live at the peak" in out
+    assert "recomputed ops: " in out and "of the step's" in out
+    assert "budget (activations)" in out
+
+
+def test_text_first_step(plan_file, capsys):
+    assert main([str(plan_file), "--first-step"]) == 0
+    assert "first step (no .grad)" in capsys.readouterr().out
+
+
+def test_png(plan_file, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    assert main([str(plan_file), "--png", str(png)]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_missing_file(tmp_path, capsys):
+    assert main([str(tmp_path / "nope.rir")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("remat-show: error:") and "\n" not in err
+
+
+def test_garbage_file(tmp_path, capsys):
+    bad = tmp_path / "bad.rir"
+    bad.write_text("this is not a plan\n")
+    assert main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("remat-show: error:") and "\n" not in err
+    assert "Traceback" not in err
+
+
+def test_binary_file(tmp_path, capsys):
+    bad = tmp_path / "bin.rir"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    assert main([str(bad), "--png", str(tmp_path / "x.png")]) == 2
+    assert not (tmp_path / "x.png").exists()

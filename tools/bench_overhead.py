@@ -1,0 +1,67 @@
+"""Step time of a model run by its (unoptimized) plan vs eager PyTorch.
+
+    python tools/bench_overhead.py [--model gpt2-mid] [--steps 11] [--rounds 3]
+
+Prints a table: eager and wrapped median step times and their ratio.  The two
+are interleaved step by step so machine noise hits both alike.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from remat_ir.interpret import wrap
+from remat_ir.load import load_model
+from remat_ir.trace import trace_module
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt2-mid")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--steps", type=int, default=11)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    m = load_model(args.model, batch=args.batch, seq=args.seq)
+    program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=args.model)
+    eager = copy.deepcopy(m.module)
+    wrapped = wrap(m.module, program, loss=m.loss)
+
+    def eager_step():
+        out = eager(*m.inputs)
+        (m.loss(out, *m.inputs) if m.loss else out).backward()
+
+    def plan_step():
+        wrapped(*m.inputs).backward()
+
+    times = {"eager": [], "remat-ir": []}
+    for i in range(args.steps + 2):
+        order = [("eager", eager_step), ("remat-ir", plan_step)]
+        if i % 2:
+            order.reverse()
+        for name, fn in order:
+            torch.manual_seed(i)
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if i >= 2:  # two warm-up rounds
+                times[name].append(dt)
+    e, w = statistics.median(times["eager"]), statistics.median(times["remat-ir"])
+    shape = " x ".join(str(s) for s in m.inputs[0].shape)
+    print(f"model {args.model} (inputs {shape}), {len(program.nodes)} ops, median of {args.steps} steps, "
+          f"{torch.get_num_threads()} threads")
+    print(f"| {'method':<10} | {'step time':>10} | {'ratio':>6} |")
+    print(f"|{'-' * 12}|{'-' * 12}|{'-' * 8}|")
+    print(f"| {'eager':<10} | {1e3 * e:>7.1f} ms | {1.0:>6.3f} |")
+    print(f"| {'remat-ir':<10} | {1e3 * w:>7.1f} ms | {w / e:>6.3f} |")
+
+
+if __name__ == "__main__":
+    main()

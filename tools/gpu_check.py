@@ -1,0 +1,439 @@
+"""GPU check: remat-ir plans on GPT-2 medium, predicted vs measured.
+
+    python tools/gpu_check.py                              # on a CUDA machine, all in one go
+    python tools/gpu_check.py --compile-only --plans DIR   # on any machine (CPU, FakeTensorMode)
+    python tools/gpu_check.py --plans DIR                  # on the CUDA machine: no cvxpy needed
+    python tools/gpu_check.py --device cpu --small         # a quick end-to-end run on CPU
+
+GPT-2 medium (the built-in "gpt2-medium"), fp32, batch 4 x seq 512, dropout
+on, Adam state allocated (two fp32 moments per parameter, as
+`remat_ir.run.optimizer_state`), `.grad` present.  Rows: eager PyTorch,
+torch.utils.checkpoint around every block, remat-ir's unoptimized plan, and
+plans optimized at 0.7 / 0.5 / 0.3 of the unoptimized activation peak and at
+the floor.  For each: predicted peak (the simulator) vs measured
+(`torch.cuda.max_memory_allocated`; CPU: the storage tracker), total and
+activations (above parameters, gradients, optimizer state, buffers, inputs),
+the step time relative to eager and to checkpointing every block, and the
+largest gradient difference from eager at the same seed.
+
+Plans are traced on CPU under FakeTensorMode (nothing is allocated) and
+pointed at the target device; `--plans DIR` reads `.rir` files written by
+`--compile-only` (file names carry model, batch, seq, device and budget), so
+the CUDA machine needs only torch and remat-ir's runtime (no cvxpy).  A plan
+missing from DIR is compiled on the spot when the optimizer is importable.
+All models share one set of parameters, so the GPU holds one model.
+
+Exit code 0 when every measured peak is within 1% + 1 MiB of the prediction,
+1 otherwise, 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+MiB = 2**20
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / MiB:,.1f} MiB"
+
+
+def plan_name(model: str, batch: int, seq: int | None, device: str, tag: str) -> str:
+    base = os.path.basename(model).replace(".py", "")
+    return f"{base}_b{batch}_s{seq if seq else 0}_{device}_{tag}.rir"
+
+
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------- compiling
+
+
+def trace_plan(args):
+    """The unoptimized plan for the target device, traced on CPU under fake mode."""
+    from remat_ir.bench import retarget_device
+    from remat_ir.load import load_model
+    from remat_ir.simulate import optimizer_state_bytes
+    from remat_ir.trace import trace_module
+
+    m = load_model(args.model, batch=args.batch, seq=args.seq, device="cpu", fake=True, seed=args.seed)
+    program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=m.name, fake=True)
+    retarget_device(program, args.device)
+    program.header.optimizer = "adam"
+    program.header.optimizer_bytes = optimizer_state_bytes(program, "adam")
+    shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
+    program.header.comment = [f"remat-ir plan: {m.name} ({shape}), gpu_check"]
+    return program
+
+
+def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
+    """Fill `plans` (tag -> Program) for the missing tags; tag -> reason for
+    those that could not be made."""
+    from remat_ir.bench import quiet_stdout
+
+    failed: dict[str, str] = {}
+    if "plan" not in plans:
+        t0 = time.perf_counter()
+        plans["plan"] = trace_plan(args)
+        _log(f"traced {args.model} in {time.perf_counter() - t0:.1f} s ({len(plans['plan'].nodes)} ops)")
+    base = plans["plan"]
+    todo = [t for t in tags if t != "plan" and t not in plans]
+    if not todo:
+        return failed
+    try:
+        from remat_ir import optimize as opt
+
+        for fn in ("optimize", "floor", "resolve_budget"):
+            if not hasattr(opt, fn):
+                raise ImportError(f"remat_ir.optimize has no {fn}()")
+    except Exception as e:  # noqa: BLE001
+        reason = f"optimizer unavailable: {type(e).__name__}: {str(e).split(' (')[0]}"
+        return {t: reason for t in todo}
+    for tag in todo:
+        t0 = time.perf_counter()
+        try:
+            with quiet_stdout():
+                budget = int(opt.floor(base, "activations")) if tag == "floor" else \
+                    int(opt.resolve_budget(base, tag, "activations"))
+                res = opt.optimize(base, budget, scope="activations", time_limit=args.time_limit)
+        except Exception as e:  # noqa: BLE001
+            failed[tag] = f"{'infeasible' if type(e).__name__ == 'Infeasible' else type(e).__name__}: {e}"
+            _log(f"  {tag}: {failed[tag]}")
+            continue
+        p = res.program
+        extra = 100 * res.extra_flops / max(res.base_flops, 1)
+        p.header.comment = list(base.header.comment) + [
+            f"budget {tag} (activations): solved in {res.seconds:.1f} s, extra compute {extra:.1f}%"]
+        plans[tag] = p
+        _log(f"  {tag}: solved in {res.seconds:.1f} s ({time.perf_counter() - t0:.1f} s), +{extra:.1f}% FLOPs")
+    return failed
+
+
+def save(program, path: str) -> None:
+    from remat_ir.text import format_program
+
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(format_program(program))
+    os.replace(tmp, path)
+
+
+def load_plans(args, tags) -> dict:
+    from remat_ir.text import load_plan
+
+    plans = {}
+    if not args.plans:
+        return plans
+    for tag in tags:
+        path = os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, tag))
+        if os.path.exists(path):
+            t0 = time.perf_counter()
+            plans[tag] = load_plan(path)
+            _log(f"loaded {path} ({time.perf_counter() - t0:.1f} s)")
+    return plans
+
+
+# --------------------------------------------------------------- running
+
+
+class Method:
+    def __init__(self, key, label, step, program=None):
+        self.key, self.label, self.step, self.program = key, label, step, program
+        self.status = "ok"
+        self.times: list[float] = []
+        self.ratio_eager: list[float] = []
+        self.ratio_ckpt: list[float] = []
+        self.measured_total = self.measured_act = None
+        self.predicted_total = self.predicted_act = None
+        self.grad_diff = None
+        self.raw_peak = None
+
+
+def run(args, plans: dict, failed: dict) -> list[Method]:
+    from torch.utils.checkpoint import checkpoint
+
+    from remat_ir.bench import compare_grads, find_blocks
+    from remat_ir.interpret import wrap
+    from remat_ir.load import load_model
+    from remat_ir.memtrack import measure_step
+    from remat_ir.run import optimizer_state
+    from remat_ir.simulate import simulate
+
+    dev = torch.device(args.device)
+    t0 = time.perf_counter()
+    m = load_model(args.model, batch=args.batch, seq=args.seq, device=args.device, seed=args.seed)
+    model = m.module.to(dev).train()
+    inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in m.inputs)
+    loss_fn = m.loss
+    _log(f"built {args.model} on {dev} in {time.perf_counter() - t0:.1f} s")
+    opt_state = optimizer_state(model, "adam")
+    params = list(model.parameters())
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def eager_step():
+        out = model(*inputs)
+        loss = loss_fn(out, *inputs) if loss_fn is not None else out
+        loss.backward()
+
+    blocks = find_blocks(model) or []
+
+    def ckpt_step():
+        saved = []
+        for b in blocks:
+            orig = b.forward
+
+            def fwd(*a, _orig=orig, **k):
+                return checkpoint(_orig, *a, use_reentrant=False, **k)
+
+            saved.append(b)
+            b.forward = fwd
+        try:
+            eager_step()
+        finally:
+            for b in saved:
+                del b.forward  # back to the class's forward
+
+    eager = Method("eager", "eager PyTorch", eager_step)
+    if "plan" in plans:
+        # The unoptimized plan is what autograd does: its prediction is eager's.
+        rep = simulate(plans["plan"], grads_present=True)
+        eager.predicted_total, eager.predicted_act = rep.peak_bytes, rep.activation_peak_bytes
+        eager.label = "eager PyTorch (predicted: the unoptimized plan)"
+    methods = [eager]
+    if blocks:
+        methods.append(Method("ckpt-all", "checkpoint every block", ckpt_step))
+    tags = ["plan"] + [f"{b:g}" for b in args.budgets] + ["floor"]
+    for tag in tags:
+        label = {"plan": "remat-ir, unoptimized plan", "floor": "remat-ir, floor"}.get(tag, f"remat-ir, budget {tag}")
+        if tag not in plans:
+            mm = Method(f"remat-{tag}", label, None)
+            mm.status = f"n/a ({failed.get(tag, 'no plan')})"
+            methods.append(mm)
+            continue
+        program = plans[tag]
+        try:
+            w = wrap(model, program, loss=loss_fn)
+        except Exception as e:  # noqa: BLE001
+            mm = Method(f"remat-{tag}", label, None)
+            mm.status = f"failed: {type(e).__name__}: {e}"
+            methods.append(mm)
+            continue
+
+        def plan_step(w=w):
+            w(*inputs).backward()
+
+        mm = Method(f"remat-{tag}", label, plan_step, program)
+        rep = simulate(program, grads_present=True)
+        mm.predicted_total, mm.predicted_act = rep.peak_bytes, rep.activation_peak_bytes
+        methods.append(mm)
+
+    pre = {"params": params, "buffers": list(model.buffers()),
+           "inputs": [x for x in inputs if isinstance(x, torch.Tensor)], "optimizer": opt_state}
+    ref = None
+    for mm in methods:
+        if mm.status != "ok":
+            _log(f"  {mm.key:<12} {mm.status}")
+            continue
+        try:
+            # Step 1 from .grad = None (also the CUDA warm-up): the gradients.
+            for p in params:
+                p.grad = None
+            torch.manual_seed(args.seed)
+            mm.step()
+            sync()
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            if ref is None:
+                ref = grads
+                mm.grad_diff = None
+            else:
+                equal, diff = compare_grads(ref, grads)
+                mm.grad_diff = 0.0 if equal else diff
+            del grads
+            # Step 2 with .grad present: measured.
+            pre["grads"] = [p.grad for p in params if p.grad is not None]
+            torch.manual_seed(args.seed + 1)
+            mem = measure_step(mm.step, pre_existing=pre, device=dev)
+            own = sum(v for k, v in mem.baseline_by_category.items() if k != "unregistered")
+            mm.measured_act = mem.peak_above_baseline
+            mm.measured_total = own + mem.peak_above_baseline
+            mm.raw_peak = mem.peak_bytes
+            _log(f"  {mm.key:<12} measured act {_mib(mm.measured_act)}, predicted {_mib(mm.predicted_act)}")
+        except Exception as e:  # noqa: BLE001 - one row failing (out of memory, ...) must not sink the rest
+            mm.status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if mm.status != "ok":
+            _log(f"  {mm.key:<12} {mm.status}")
+            for p in params:
+                p.grad = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    ok = [mm for mm in methods if mm.status == "ok"]
+    by = {mm.key: mm for mm in ok}
+    for i in range(args.steps):
+        k = i % len(ok)
+        order = ok[k:] + ok[:k]
+        for mm in order:
+            torch.manual_seed(args.seed + 100 + i)
+            sync()
+            t1 = time.perf_counter()
+            mm.step()
+            sync()
+            mm.times.append(time.perf_counter() - t1)
+        for mm in ok:
+            if "eager" in by:
+                mm.ratio_eager.append(mm.times[-1] / by["eager"].times[-1])
+            if "ckpt-all" in by:
+                mm.ratio_ckpt.append(mm.times[-1] / by["ckpt-all"].times[-1])
+        _log(f"  round {i + 1}/{args.steps}: " + ", ".join(f"{mm.key} {1e3 * mm.times[-1]:.0f} ms" for mm in ok))
+    return methods
+
+
+def report(args, methods: list[Method], wall: float) -> tuple[str, bool, dict]:
+    from remat_ir.run import matches
+
+    dev = args.device
+    name = torch.cuda.get_device_name(0) if dev == "cuda" and torch.cuda.is_available() else "cpu"
+    lines = [
+        f"## gpu_check: {args.model}, batch {args.batch} x seq {args.seq}, fp32, Adam state, .grad present, "
+        f"{dev} ({name}), torch {torch.__version__}",
+        "",
+        "| method | predicted total | measured total | predicted act. | measured act. | diff | step time "
+        "| vs eager | vs ckpt every block | grad diff vs eager |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    all_ok = True
+    out = {"device": dev, "device_name": name, "torch": torch.__version__, "model": args.model,
+           "batch": args.batch, "seq": args.seq, "rows": []}
+    for mm in methods:
+        row = {"key": mm.key, "label": mm.label, "status": mm.status}
+        if mm.status != "ok":
+            lines.append(f"| {mm.label} | {mm.status} | | | | | | | | |")
+            out["rows"].append(row)
+            continue
+        diff = "-"
+        if mm.predicted_total is not None:
+            d = 100 * (mm.measured_total - mm.predicted_total) / max(mm.predicted_total, 1)
+            good = matches(mm.predicted_total, mm.measured_total)
+            all_ok &= good
+            diff = f"{d:+.2f}%" + ("" if good else " (outside 1% + 1 MiB)")
+        t = statistics.median(mm.times) if mm.times else None
+        re_ = f"{statistics.median(mm.ratio_eager):.2f}x" if mm.ratio_eager else "-"
+        rc = f"{statistics.median(mm.ratio_ckpt):.2f}x" if mm.ratio_ckpt else "-"
+        gd = "reference" if mm.key == "eager" else ("bitwise" if mm.grad_diff == 0.0 else f"{mm.grad_diff:.3g}")
+        lines.append(f"| {mm.label} | {_mib(mm.predicted_total)} | {_mib(mm.measured_total)} | "
+                     f"{_mib(mm.predicted_act)} | {_mib(mm.measured_act)} | {diff} | "
+                     f"{'-' if t is None else f'{1e3 * t:.0f} ms'} | {re_} | {rc} | {gd} |")
+        row.update(predicted_total=mm.predicted_total, measured_total=mm.measured_total,
+                   predicted_act=mm.predicted_act, measured_act=mm.measured_act, raw_peak=mm.raw_peak,
+                   step_times=mm.times, ratio_eager=statistics.median(mm.ratio_eager) if mm.ratio_eager else None,
+                   ratio_ckpt=statistics.median(mm.ratio_ckpt) if mm.ratio_ckpt else None,
+                   grad_diff=mm.grad_diff)
+        if mm.program is not None:
+            row["comment"] = list(mm.program.header.comment)
+        out["rows"].append(row)
+    lines.append("")
+    lines.append("- measured total = this model's parameters, gradients, Adam state, buffers and inputs + the "
+                 "step's peak above them (CUDA: max_memory_allocated - memory_allocated before the step); "
+                 "activations = that peak alone. MiB = 2^20 bytes.")
+    lines.append(f"- step time: median of {args.steps} rounds, methods rotated each round; ratios are medians "
+                 "of per-round ratios.")
+    if dev == "cuda":
+        lines.append("- gradients on CUDA may differ in the last bits between any two runs (atomics in "
+                     "embedding backward), eager included.")
+    lines.append(f"- wall time {wall:.0f} s; predictions within 1% + 1 MiB: {'yes' if all_ok else 'NO'}.")
+    out["all_within_tolerance"] = all_ok
+    out["wall_s"] = wall
+    return "\n".join(lines) + "\n", all_ok, out
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--small", action="store_true", help="gpt2-tiny, 2 timed steps: a quick end-to-end run")
+    p.add_argument("--model", help="built-in model (default gpt2-medium; --small: gpt2-tiny)")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--steps", type=int, help="timed rounds (default 5; --small: 2)")
+    p.add_argument("--budgets", default="0.7,0.5,0.3", help="fractions of the unoptimized activation peak")
+    p.add_argument("--plans", help="directory of precompiled plans (read; with --compile-only: written)")
+    p.add_argument("--compile-only", action="store_true", help="trace (fake) and optimize the plans, write "
+                                                               "them to --plans, run nothing")
+    p.add_argument("--fake", action="store_true", help="accepted for clarity: plans are always traced under "
+                                                       "FakeTensorMode")
+    p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per solve (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the results as JSON here")
+    p.add_argument("--md", help="also write the Markdown table here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        print(f"gpu_check: error: --budgets: not fractions: {args.budgets}", file=sys.stderr)
+        return 2
+    args.model = args.model or ("gpt2-tiny" if args.small else "gpt2-medium")
+    from remat_ir.models import BUILTINS
+
+    spec = BUILTINS.get(args.model)
+    if spec is None and not os.path.isfile(args.model):
+        print(f"gpu_check: error: unknown model {args.model}", file=sys.stderr)
+        return 2
+    if spec is not None:
+        args.batch = args.batch or spec.batch
+        args.seq = args.seq or spec.seq
+    args.steps = args.steps or (2 if args.small else 5)
+    if args.compile_only and not args.plans:
+        print("gpu_check: error: --compile-only needs --plans DIR", file=sys.stderr)
+        return 2
+    if not args.compile_only and args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: error: no CUDA device (use --device cpu, or --compile-only)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    tags = ["plan"] + [f"{b:g}" for b in args.budgets] + ["floor"]
+    try:
+        plans = load_plans(args, tags)
+    except Exception as e:  # noqa: BLE001
+        print(f"gpu_check: error: {e}", file=sys.stderr)
+        return 2
+    failed = {}
+    if args.compile_only or any(t not in plans for t in tags):
+        failed = compile_plans(args, tags, plans)
+    if args.compile_only:
+        os.makedirs(args.plans, exist_ok=True)
+        for tag, p in plans.items():
+            path = os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, tag))
+            save(p, path)
+            print(f"wrote {path}")
+        for tag, why in failed.items():
+            print(f"no plan for {tag}: {why}")
+        return 0 if not failed else 1
+    methods = run(args, plans, failed)
+    md, ok, js = report(args, methods, time.perf_counter() - t0)
+    sys.stdout.write(md)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(js, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
