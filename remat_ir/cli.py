@@ -83,7 +83,7 @@ def _compile(argv) -> int:
     args = _compile_parser().parse_args(argv)
     from .load import load_model
     from .simulate import optimizer_state_bytes
-    from .text import format_program, save_plan
+    from .text import save_plan, with_lines
     from .trace import trace_module
     from .verify import verify
 
@@ -110,14 +110,15 @@ def _compile(argv) -> int:
     if not verdict.ok:
         msg = "\n".join(str(d) for d in verdict.errors[:20])
         raise CliError(f"internal error: the generated plan does not verify:\n{msg}", EXIT_FAIL)
-    text = format_program(program)
-    save_plan(program, args.output, text=text)
+    save_plan(program, args.output)
     if not args.quiet:
         from .report import breakdown
 
+        # Line numbers of the file just written, so the summary points into it.
+        program = with_lines(program)
+        verdict = verify(program)
         print(breakdown(program, verdict.report, verdict.report_first_step))
-        print(f"traced in {t_trace:.1f} s; wrote {args.output} ({len(text.splitlines())} lines)"
-              + (f"; {solve_note}" if solve_note else ""))
+        print(f"traced in {t_trace:.1f} s; wrote {args.output}" + (f"; {solve_note}" if solve_note else ""))
     return EXIT_OK
 
 
