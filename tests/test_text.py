@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import msgspec
 import pytest
@@ -168,40 +167,33 @@ def strip_lines(p: Program) -> Program:
         outputs=[Output(o.kind, o.key, o.value) for o in p.outputs])
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # ------------------------------------------------------------ round trips
 
 
 @SETTINGS
 @given(programs())
-def test_round_trip(p):
+def test_round_trips(p):
+    # text -> Program -> text, and Program -> text -> Program
     t = format_program(p)
     q = parse_program(t)
     assert strip_lines(q) == p
     assert format_program(q) == t
-
-
-@SETTINGS
-@given(programs())
-def test_lines_and_fast_reader_agree_with_lark(p):
-    t = format_program(p)
     # The fast reader takes every canonical text, and reads it as lark does.
     fast = text._assemble(text._FastReader(t).read())
     slow = text._assemble(text._lark_parse(t, "<t>"))
-    assert fast == slow
+    assert fast == slow == q
+    # Lines point at the instructions and outputs; with_lines agrees.
     lines = t.split("\n")
-    for ins in fast.forward + fast.backward:
+    for ins in q.forward + q.backward:
         src = lines[ins.line - 1].strip()
         assert src.startswith(ins.kind + " ") and text._ref(ins.target) in src
-    for o in fast.outputs:
+    for o in q.outputs:
         assert lines[o.line - 1].strip().startswith(o.kind + " ")
-    assert with_lines(p) == fast
-
-
-@SETTINGS
-@given(programs())
-def test_msgspec_round_trip(p):
+    assert with_lines(p) == q
+    # The same programs survive msgspec.
     assert ir.from_json(ir.to_json(p)) == p
     assert ir.from_msgpack(ir.to_msgpack(p)) == p
 
@@ -226,7 +218,8 @@ def _perturb(t: str, draw) -> str:
     return sep.join(out)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(programs(), st.data())
 def test_whitespace_and_comments_are_ignored(p, data):
     messy = _perturb(format_program(p), data.draw)
@@ -383,6 +376,11 @@ def test_grammar_file_is_found():
     assert "node_line" in g and "start:" in g
 
 
+def test_reserved_words_match_the_grammar():
+    # Keywords that can stand where a name can must be escaped when printed.
+    assert text._compute_reserved(text._lark()) == text._RESERVED
+
+
 def test_big_plan_parses_fast():
     vals = [Value("idx", ir.INPUT, "int64", [2, 64], [64, 1], "idx", 1024, source="idx")]
     vals += [Value(f"transformer.h.{i}.mlp.c_fc.weight", ir.PARAM, "float32", [128, 512], [512, 1],
@@ -404,11 +402,8 @@ def test_big_plan_parses_fast():
     p = Program(Header(model="big"), vals, nodes, fwd, bwd, [Output(ir.RESULT, "0", prev)])
     t = format_program(p)
     parse_program(format_program(sample_program()))  # warm up (grammar load)
-    t0 = time.perf_counter()
-    q = parse_program(t)
-    elapsed = time.perf_counter() - t0
+    q = parse_program(t)  # its time is measured by tools/timings.py, not asserted here
     assert strip_lines(q) == p
-    assert elapsed < 3.0, f"parsing 4,000 nodes + 8,000 instructions took {elapsed:.2f} s"
 
 
 # ----------------------------------------------------------------- errors
@@ -449,7 +444,7 @@ def test_error_misspelt_instruction():
     assert "did you mean `free`" in e.message
     lines[i] = "  freetransformer.drop.view"  # a keyword glued to a name is not the keyword
     e = _err("\n".join(lines))
-    assert e.line == i + 1 and "did you mean `free`" in e.message
+    assert e.line == i + 1 and "did you mean `free transformer.drop.view`" in e.message
 
 
 def test_error_unknown_op_syntax():
@@ -599,3 +594,21 @@ def test_error_is_picklable():
 def test_special_float_args_print_as_keywords():
     assert text._arg(Seq([Special("inf"), Special("-inf"), Special("nan"), -0.0, 1e-05])) == \
         "[inf, -inf, nan, -0.0, 1e-05]"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.integers(0, 3),
+                          st.sampled_from(list(' \n\t"#%|:.,=()[]_-0123456789abefinorstuvx\\')),
+                          ), min_size=1, max_size=4))
+def test_mangled_text_reads_or_fails_cleanly(edits):
+    t = format_program(sample_program())
+    for where, n_deleted, ch in edits:
+        i = int(where * len(t))
+        t = t[:i] + ch + t[i + n_deleted:]
+    try:
+        p = parse_program(t, "m.rir")
+    except RirSyntaxError as e:
+        assert str(e).startswith("m.rir:") and e.line >= 1 and e.column >= 1
+        return
+    # Whatever reads must read the same through lark.
+    assert strip_lines(text._assemble(text._lark_parse(t + "\n", "m.rir"))) == strip_lines(p)
