@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,12 +103,16 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
     for tag in todo:
         t0 = time.perf_counter()
         try:
-            with quiet_stdout():
+            with quiet_stdout(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate": the plan is simulated anyway
                 budget = int(opt.floor(base, "activations")) if tag == "floor" else \
                     int(opt.resolve_budget(base, tag, "activations"))
                 res = opt.optimize(base, budget, scope="activations", time_limit=args.time_limit)
         except Exception as e:  # noqa: BLE001
-            failed[tag] = f"{'infeasible' if type(e).__name__ == 'Infeasible' else type(e).__name__}: {e}"
+            if type(e).__name__ == "Infeasible" and getattr(e, "floor_bytes", None):
+                failed[tag] = f"infeasible: below the floor, {_mib(e.floor_bytes)}"
+            else:
+                failed[tag] = f"{type(e).__name__}: {e}"
             _log(f"  {tag}: {failed[tag]}")
             continue
         p = res.program
