@@ -14,7 +14,9 @@ seeds, dropout on) and is measured the same way:
   model only);
 * step time: the median over ``--steps`` rounds; each round runs one step of
   every method, in an order rotated from round to round so drift on a busy
-  machine hits all methods alike; ratios are to eager's median;
+  machine hits all methods alike; "vs eager" is the median over rounds of the
+  step time / eager's in the same round; on CPU one intra-op thread unless
+  ``--threads`` says otherwise (steady under load, see --help);
 * gradients: after a first step from ``.grad = None`` with the same seed as an
   eager reference step, compared bitwise (else the max absolute difference);
 * compile/solve time: torch.compile's first-step cost above its median step,
@@ -34,7 +36,9 @@ reference, always runs):
 
 Blocks are ``model.transformer.h`` (also found one level down, e.g.
 ``model.model.transformer.h`` for transformers' GPT-2), else the longest
-``nn.ModuleList`` in the model.
+``nn.ModuleList`` in the model.  transformers models are checkpointed through
+their own ``gradient_checkpointing_enable`` (with the same checkpoint
+function and arguments), which also turns their KV cache off.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -199,6 +204,7 @@ class Context:
         self._program = None
         self.trace_s = None
         self._opt_api = None
+        self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     def fresh(self) -> torch.nn.Module:
         m = copy.deepcopy(self.base)
@@ -265,6 +271,20 @@ def _checkpoint_blocks(ctx: Context, every: int, context_fn=None) -> Prepared:
     blocks = find_blocks(m)
     if not blocks:
         raise Unavailable("no repeated blocks (nn.ModuleList) found to checkpoint")
+    hf = next((mod for mod in m.modules() if getattr(mod, "supports_gradient_checkpointing", False)
+               and hasattr(mod, "gradient_checkpointing_enable")), None)
+    if hf is not None:
+        # transformers: its own hook checkpoints each layer with our function
+        # and turns the KV cache off (a cache updated again by the recompute
+        # breaks attention); then un-checkpoint the layers we skip.
+        kw = {"use_reentrant": False}
+        if context_fn is not None:
+            kw["context_fn"] = context_fn
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        for i, b in enumerate(blocks):
+            if i % every and hasattr(b, "gradient_checkpointing"):
+                b.gradient_checkpointing = False
+        return Prepared(m, _plain_step(ctx, m))
     for i, b in enumerate(blocks):
         if i % every:
             continue
@@ -314,7 +334,6 @@ def _fresh_caller(module, tag: str):
 
 
 def prep_compile(ctx: Context, budget: float) -> Prepared:
-    import torch._dynamo
     import torch._functorch.config as fconfig
 
     if not hasattr(fconfig, "activation_memory_budget"):
@@ -343,8 +362,10 @@ def prep_remat(ctx: Context, budget: str | None) -> Prepared:
     if budget is not None:
         opt = ctx.optimizer_api()
         scope = "activations"
+        t0 = time.perf_counter()
         try:
-            with quiet_stdout():
+            with quiet_stdout(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 if budget == "floor":
                     nbytes = int(opt.floor(program, scope))
                 else:
@@ -352,11 +373,16 @@ def prep_remat(ctx: Context, budget: str | None) -> Prepared:
                 res = opt.optimize(program, nbytes, scope=scope, time_limit=ctx.args.time_limit)
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible":
-                raise Unavailable(f"infeasible: {e}") from e
+                fb = getattr(e, "floor_bytes", None)
+                why = f"below the floor, {_mib(fb)}" if fb else str(e)
+                raise Unavailable(f"infeasible: {why}") from e
             raise
         program = res.program
-        setup = float(res.seconds)
+        setup = time.perf_counter() - t0  # resolving the budget (the floor: a search) + the solve
         extra = f"+{100 * res.extra_flops / max(res.base_flops, 1):.1f}% FLOPs"
+        msgs = sorted({str(w.message).split(".")[0] for w in caught})
+        if msgs:
+            extra += "; solver warned: " + "; ".join(msgs)
     rep = simulate(program, grads_present=True)
     m = ctx.fresh()
     w = wrap(m, program, loss=ctx.loss_fn)
@@ -555,6 +581,11 @@ def _fmt_s(x: float | None) -> str:
     return f"{x:.2f} s" if x >= 0.1 else f"{1e3 * x:.0f} ms"
 
 
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} intra-op thread{'s' if n != 1 else ''}"
+
+
 def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     a = ctx.args
     eager = next(r for r in rows if r.key == "eager")
@@ -564,7 +595,7 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     lines = [
         f"## remat-bench: {ctx.name} ({n_params / 1e6:.2f} M parameters, inputs {shapes}), {ctx.device.type}",
         "",
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, optimizer state: {a.optimizer}, "
+        f"torch {torch.__version__}, {_threads()}, optimizer state: {a.optimizer}, "
         f"dropout on, seed {a.seed}; memory of the second step (.grad present); "
         f"step time: median of {a.steps} rounds, the methods' order rotated each round; \"vs eager\": "
         f"median over rounds of the step time / eager's step time in the same round.",
@@ -595,7 +626,10 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     notes = []
     if ctx.trace_s is not None:
         notes.append(f"remat-ir traced the step once in {ctx.trace_s:.1f} s (shared by its rows); "
-                     "\"predicted act.\" is the simulator's activation peak for the plan.")
+                     "\"predicted act.\" is the simulator's activation peak for the plan; budgets are "
+                     "fractions of the unoptimized plan's activation peak; solve = wall time of resolving the "
+                     "budget and optimizing (the optimizer reuses its analysis across the rows, so the first "
+                     "remat-ir row pays for it).")
     comp = [r for r in rows if r.family == "compile"]
     if comp:
         notes.append("torch.compile: dynamo was reset before the compile rows; each budget compiles its own "
@@ -616,7 +650,11 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     if ctx.device.type == "cuda":
         notes.append("CUDA gradients may differ in the last bits between any two runs (atomics in "
                      "embedding backward); bitwise equality is not expected there.")
-    notes.append(f"wall time of the whole benchmark: {wall:.0f} s.")
+    load = ""
+    if hasattr(os, "getloadavg"):
+        load = (f"; 1-minute load average at the start {ctx.load_start:.1f}, at the end {os.getloadavg()[0]:.1f} "
+                f"on {os.cpu_count()} CPUs (other work on the machine inflates and scatters step times)")
+    notes.append(f"wall time of the whole benchmark: {wall:.0f} s{load}.")
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
@@ -627,6 +665,47 @@ FAMILY_STYLE = {
 }
 
 
+def short_label(r: Row) -> str:
+    s = r.label.replace("torch.compile aot_eager, ", "compile ").replace("remat-ir, ", "remat-ir ")
+    s = s.replace("checkpoint every", "ckpt every").replace(", save matmul outputs", " (matmuls)")
+    return s.replace("eager PyTorch", "eager").replace("unoptimized plan", "unoptimized")
+
+
+def _place_labels(fig, ax, labels, obstacles=()) -> None:
+    """Annotate points, trying a few offsets so labels do not overlap each
+    other (greedy; good enough for a dozen points)."""
+    offsets = [(7, 6, "left", "bottom"), (7, -7, "left", "top"), (-7, 6, "right", "bottom"),
+               (-7, -7, "right", "top"), (0, 10, "center", "bottom"), (0, -11, "center", "top"),
+               (7, 18, "left", "bottom"), (7, -19, "left", "top")]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.transforms import Bbox
+
+    placed = [o.get_window_extent(renderer) for o in obstacles]
+    for x, y, _, _ in labels:  # the markers themselves
+        px, py = ax.transData.transform((x, y))
+        placed.append(Bbox([[px - 6, py - 6], [px + 6, py + 6]]))
+    axbox = ax.get_window_extent(renderer)
+    for x, y, text, color in labels:
+        best = None
+        for dx, dy, ha, va in offsets:
+            t = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
+                            fontsize=8, color=color)
+            bb = t.get_window_extent(renderer).expanded(1.03, 1.1)
+            clash = sum(bb.overlaps(o) for o in placed)
+            outside = not (axbox.x0 <= bb.x0 and bb.x1 <= axbox.x1 and axbox.y0 <= bb.y0 and bb.y1 <= axbox.y1)
+            score = clash * 10 + outside * 5
+            if best is None or score < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (score, t, bb)
+            else:
+                t.remove()
+            if score == 0:
+                break
+        placed.append(best[2])
+
+
 def pareto_png(ctx: Context, rows: list[Row], path: str) -> None:
     import matplotlib
 
@@ -635,33 +714,43 @@ def pareto_png(ctx: Context, rows: list[Row], path: str) -> None:
 
     pts = [(r.ratio, r.act_peak / MiB, r) for r in rows
            if r.ok and r.ratio is not None and r.act_peak is not None]
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    fig, ax = plt.subplots(figsize=(10, 6.5), dpi=120)
     seen = set()
+    labels = []
+    differ = False
     for x, y, r in pts:
         color, marker = FAMILY_STYLE.get(r.family, ("gray", "o"))
         fam_label = {"eager": "eager", "checkpoint": "torch.utils.checkpoint", "sac": "selective AC",
                      "compile": "torch.compile (aot_eager)", "remat": "remat-ir"}.get(r.family, r.family)
-        ax.scatter([x], [y], c=color, marker=marker, s=160 if marker == "*" else 70, zorder=3,
-                   label=None if r.family in seen else fam_label, edgecolors="white", linewidths=0.5)
+        wrong = bool(r.grad_diff)  # gradients differ from eager: hollow, off the frontier
+        differ |= wrong
+        ax.scatter([x], [y], marker=marker, s=160 if marker == "*" else 70, zorder=3,
+                   facecolors="none" if wrong else color, edgecolors=color if wrong else "white",
+                   linewidths=1.3 if wrong else 0.5,
+                   label=None if r.family in seen else fam_label)
         seen.add(r.family)
-        short = r.label.replace("torch.compile aot_eager, ", "compile ").replace("remat-ir, ", "remat ")
-        short = short.replace("checkpoint every", "ckpt every").replace(", save matmul outputs", " (matmuls)")
-        ax.annotate(short, (x, y), textcoords="offset points", xytext=(6, 5), fontsize=8, color=color)
-    # Pareto frontier: no other point is both faster and smaller.
-    front = sorted((x, y) for x, y, _ in pts
-                   if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for x2, y2, _ in pts))
+        labels.append((x, y, short_label(r), color))
+    # Pareto frontier over the methods with eager's gradients: no other such
+    # point is both faster and smaller.
+    good = [(x, y) for x, y, r in pts if not r.grad_diff]
+    front = sorted((x, y) for x, y in good
+                   if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for x2, y2 in good))
     if len(front) > 1:
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="gray", lw=1, ls="--",
-                zorder=1, label="Pareto frontier")
+                zorder=1, label="Pareto frontier (eager's gradients)")
+    if differ:
+        ax.scatter([], [], marker="o", facecolors="none", edgecolors="gray", label="hollow: gradients differ")
     ax.axvline(1.0, color="lightgray", lw=0.8, zorder=0)
+    ax.margins(x=0.12)
+    ax.set_ylim(0, max([y for _, y, _ in pts] + [1]) * 1.15)
     ax.set_xlabel("step time / eager step time (lower is faster)")
     ax.set_ylabel("activation peak (MiB) above params, grads, inputs, optimizer state")
     shapes = " x ".join(str(d) for d in ctx.inputs[0].shape) if ctx.inputs else ""
     ax.set_title(f"{ctx.name} ({shapes}), {ctx.device.type}: activation memory vs step time")
-    ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    leg = ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
+    _place_labels(fig, ax, labels, obstacles=[leg])
     fig.savefig(path)
     plt.close(fig)
 
@@ -686,7 +775,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer state allocated (and counted in the totals); default adam")
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per solve (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", type=int,
+                   help="torch.set_num_threads; default on CPU 1: on a shared 2-core machine two intra-op "
+                        "threads ran 5-8x slower and scattered whenever anything else was running (OpenMP "
+                        "oversubscription), one thread stayed steady; on CUDA torch's default")
     p.add_argument("--md", help="also write the Markdown table to this file")
     p.add_argument("--png", help="write the Pareto plot (activation peak vs step-time ratio) here")
     p.add_argument("--json", help="also write every row's figures as JSON here")
@@ -695,6 +787,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:
+        torch.set_num_threads(threads)  # in-process callers (tests) get theirs back
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
@@ -706,6 +806,8 @@ def main(argv=None) -> int:
             raise ValueError("--device cuda, but no CUDA device is available")
         if args.steps < 1:
             raise ValueError("--steps must be at least 1")
+        if args.threads is None and args.device == "cpu":
+            args.threads = 1
         if args.threads:
             torch.set_num_threads(args.threads)
         t_start = time.perf_counter()
@@ -716,9 +818,9 @@ def main(argv=None) -> int:
 
     log(f"remat-bench: {ctx.name} on {args.device}, {len(specs)} methods")
     if any(s.family == "compile" for s in specs):
-        import torch._dynamo
+        import torch._dynamo as dynamo
 
-        torch._dynamo.reset()
+        dynamo.reset()
     # The reference: eager's gradients after a first step from .grad = None.
     try:
         ref = _eager_reference(ctx)

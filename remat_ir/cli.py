@@ -235,3 +235,18 @@ def _run(argv) -> int:
     if args.check and not r.grads_match:
         return EXIT_FAIL
     return EXIT_OK
+
+
+# ------------------------------------------------------------ show, bench
+
+
+def show_main(argv=None) -> int:
+    from .show import main
+
+    return main(argv)
+
+
+def bench_main(argv=None) -> int:
+    from .bench import main
+
+    return main(argv)

@@ -26,7 +26,7 @@ def gpu_check():
 @pytest.fixture(scope="module")
 def plans(gpu_check, tmp_path_factory):
     d = tmp_path_factory.mktemp("plans")
-    rc = gpu_check.main(["--compile-only", "--plans", str(d), "--device", "cpu", "--small"])
+    rc = gpu_check.main(["--compile-only", "--plans", str(d), "--device", "cpu", "--small", "--budgets", "0.7,0.5"])
     assert rc in (0, 1)  # 1: some budget has no plan (e.g. the optimizer is not available)
     return d
 
@@ -34,6 +34,11 @@ def plans(gpu_check, tmp_path_factory):
 def test_compile_only_writes_plans(gpu_check, plans):
     files = sorted(p.name for p in plans.glob("*.rir"))
     assert gpu_check.plan_name("gpt2-tiny", 2, 64, "cpu", "plan") in files
+    # Budgets without a plan are recorded with the reason (e.g. below the floor).
+    missing = json.loads((plans / gpu_check.plan_name("gpt2-tiny", 2, 64, "cpu", "missing")
+                          .replace(".rir", ".json")).read_text())
+    for tag in ("0.7", "0.5", "floor"):
+        assert (gpu_check.plan_name("gpt2-tiny", 2, 64, "cpu", tag) in files) != (tag in missing)
     from remat_ir.text import load_plan
 
     for f in plans.glob("*.rir"):
@@ -44,10 +49,12 @@ def test_compile_only_writes_plans(gpu_check, plans):
 
 def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = gpu_check.main(["--device", "cpu", "--small", "--plans", str(plans), "--json", str(out)])
+    rc = gpu_check.main(["--device", "cpu", "--small", "--plans", str(plans), "--json", str(out),
+                         "--budgets", "0.7,0.5"])
     text = capsys.readouterr()
     assert "loaded" in text.err
-    assert "traced" not in text.err  # every plan present came from the directory
+    assert "traced" not in text.err  # plans, and reasons for missing ones, came from the directory
+    assert "solved" not in text.err
     js = json.loads(out.read_text())
     rows = {r["key"]: r for r in js["rows"]}
     for key in ("eager", "ckpt-all", "remat-plan"):

@@ -133,19 +133,30 @@ def save(program, path: str) -> None:
     os.replace(tmp, path)
 
 
-def load_plans(args, tags) -> dict:
+def manifest_path(args) -> str:
+    return os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, "missing")
+                        .replace(".rir", ".json"))
+
+
+def load_plans(args, tags) -> tuple[dict, dict]:
+    """Plans found in --plans, and the reasons recorded by --compile-only for
+    the budgets that have none (e.g. infeasible: below the floor)."""
     from remat_ir.text import load_plan
 
-    plans = {}
+    plans, missing = {}, {}
     if not args.plans:
-        return plans
+        return plans, missing
+    if os.path.exists(manifest_path(args)):
+        with open(manifest_path(args)) as f:
+            missing = {k: v for k, v in json.load(f).items() if k in tags}
     for tag in tags:
         path = os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, tag))
         if os.path.exists(path):
             t0 = time.perf_counter()
             plans[tag] = load_plan(path)
+            missing.pop(tag, None)
             _log(f"loaded {path} ({time.perf_counter() - t0:.1f} s)")
-    return plans
+    return plans, missing
 
 
 # --------------------------------------------------------------- running
@@ -386,6 +397,14 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
@@ -403,6 +422,10 @@ def main(argv=None) -> int:
         args.batch = args.batch or spec.batch
         args.seq = args.seq or spec.seq
     args.steps = args.steps or (2 if args.small else 5)
+    if args.device == "cpu" or args.compile_only:
+        # One intra-op thread: a shared small CPU box oversubscribed by two
+        # ran several times slower (see remat-bench --help).
+        torch.set_num_threads(1)
     if args.compile_only and not args.plans:
         print("gpu_check: error: --compile-only needs --plans DIR", file=sys.stderr)
         return 2
@@ -412,22 +435,25 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     tags = ["plan"] + [f"{b:g}" for b in args.budgets] + ["floor"]
     try:
-        plans = load_plans(args, tags)
+        plans, failed = ({}, {}) if args.compile_only else load_plans(args, tags)
     except Exception as e:  # noqa: BLE001
         print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
-    failed = {}
-    if args.compile_only or any(t not in plans for t in tags):
-        failed = compile_plans(args, tags, plans)
+    todo = [t for t in tags if t not in plans and t not in failed]
+    if todo:
+        failed.update(compile_plans(args, todo, plans))
     if args.compile_only:
         os.makedirs(args.plans, exist_ok=True)
         for tag, p in plans.items():
             path = os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, tag))
             save(p, path)
             print(f"wrote {path}")
+        with open(manifest_path(args), "w") as f:
+            json.dump(failed, f, indent=1)
         for tag, why in failed.items():
             print(f"no plan for {tag}: {why}")
-        return 0 if not failed else 1
+        # An infeasible budget is a result, not an error.
+        return 0 if all(why.startswith("infeasible") for why in failed.values()) else 1
     methods = run(args, plans, failed)
     md, ok, js = report(args, methods, time.perf_counter() - t0)
     sys.stdout.write(md)
