@@ -56,7 +56,7 @@ class Segment:
         return self.nodes[0], self.nodes[-1]
 
 
-def segments(a: Analysis, min_nodes: int = 1) -> tuple[list[Segment], dict[int, int]]:
+def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[int, int]]:
     """Segments in forward order, and the decision nodes that must be kept
     (node -> 1) because their storage crosses segments."""
     nf = a.nf
@@ -78,6 +78,35 @@ def segments(a: Analysis, min_nodes: int = 1) -> tuple[list[Segment], dict[int, 
                 merged = merged[:j] + [(k, allidx)]
                 continue
         merged.append((k, idx))
+    # Small runs outside the repeated blocks (embedding, head, loss) join the
+    # neighbouring block, so the storage between them (the first block's
+    # input, the last block's output) can be recomputed rather than kept.
+    if merge_small and any(k is not None for k, _ in merged):
+        out: list[tuple[str | None, list[int]]] = []
+        pending: list[int] = []
+        pending_names: list[str] = []
+        for k, idx in merged:
+            if k is None and _n_decisions(a, idx) <= merge_small:
+                if out and out[-1][0] is not None:
+                    pk, pidx = out[-1]
+                    out[-1] = (pk, pidx + idx)
+                    out[-1] = (out[-1][0] if out[-1][0].endswith("+" + _unkeyed_name(a, idx))
+                               else out[-1][0] + "+" + _unkeyed_name(a, idx), out[-1][1])
+                else:
+                    pending += idx
+                    pending_names.append(_unkeyed_name(a, idx))
+                continue
+            if pending and k is not None:
+                idx = pending + idx
+                k = "+".join(pending_names + [k])
+                pending, pending_names = [], []
+            elif pending:
+                out.append(("+".join(pending_names), pending))
+                pending, pending_names = [], []
+            out.append((k, idx))
+        if pending:
+            out.append(("+".join(pending_names), pending))
+        merged = out
     segs = [Segment(i, k if k is not None else _unkeyed_name(a, idx), idx) for i, (k, idx) in enumerate(merged)]
     seg_of = [0] * nf
     for s in segs:
@@ -108,6 +137,10 @@ def segments(a: Analysis, min_nodes: int = 1) -> tuple[list[Segment], dict[int, 
         s.window = (min(stages), max(stages)) if stages else (a.nb, a.nb - 1)
         s.signature = _signature(a, s, seg_of)
     return segs, fixed
+
+
+def _n_decisions(a: Analysis, idx: list[int]) -> int:
+    return sum(1 for i in idx if a.kind[i] == UNIT)
 
 
 def _readers(a: Analysis, v: str) -> list[int]:

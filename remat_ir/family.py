@@ -554,7 +554,8 @@ class Profile:
     """Memory of a plan restricted to some storages, on top of the constants."""
 
     fwd_extra: np.ndarray  # per forward position: retained bytes beyond ASAP
-    bwd_slot: np.ndarray  # per stage: max over the stage's records of live bytes
+    live_b: np.ndarray  # per stage: live bytes after the backward node
+    live_q: np.ndarray  # per stage: max live bytes after a recompute (0: none)
     retained: int  # bytes kept from forward into backward
     flops: float
     peak_fwd: int = 0  # with constants
@@ -595,9 +596,12 @@ def profile(a: Analysis, keep: list[bool], storages, *, with_constants: bool = T
     live = np.cumsum(diff)[:len(rec)]
     stage = rec // (nf + 1)
     slot = rec % (nf + 1)
-    bwd_slot = np.zeros(nb, dtype=np.int64)
-    np.maximum.at(bwd_slot, stage, live)
-    prof = Profile(fwd_extra, bwd_slot, retained, a.flops(keep, f))
+    live_b = np.zeros(nb, dtype=np.int64)
+    live_q = np.zeros(nb, dtype=np.int64)
+    isb = slot == nf
+    live_b[stage[isb]] = live[isb]
+    np.maximum.at(live_q, stage[~isb], live[~isb])
+    prof = Profile(fwd_extra, live_b, live_q, retained, a.flops(keep, f))
     if with_constants:
         const = np.where(slot == nf, a.const_b[stage], a.const_pre[stage])
         tot = live + const

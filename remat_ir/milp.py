@@ -34,6 +34,7 @@ import bisect
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import cvxpy as cp
@@ -103,9 +104,10 @@ class KeepModel:
     """
 
     def __init__(self, a: Analysis, *, nodes=None, storages=None, fixed: dict | None = None,
-                 mode: str = "flat", decisions=None):
+                 mode: str = "flat", decisions=None, strengthen: bool = True):
         self.a = a
         self.mode = mode
+        self.strengthen = strengthen
         nf = a.nf
         fixed = dict(fixed or {})
         scope_nodes = set(range(nf)) if nodes is None else set(nodes)
@@ -160,6 +162,7 @@ class KeepModel:
             ev.update(st.reads)
             ev.update(st.holds)
         self.events = sorted(ev)
+        self._xcache: dict = {}
         self.xvar: dict[tuple[int, int], int] = {}
         for n in rec:
             for p in ps[n]:
@@ -175,7 +178,14 @@ class KeepModel:
         return i
 
     def X(self, n: int, stage: int) -> dict:
-        """Recomputed by `stage` (an expression)."""
+        """Recomputed by `stage` (an expression; do not mutate)."""
+        key = (n, stage)
+        r = self._xcache.get(key)
+        if r is None:
+            r = self._xcache[key] = self._X(n, stage)
+        return r
+
+    def _X(self, n: int, stage: int) -> dict:
         pts = self.ps.get(n)
         if not pts:
             return {}
@@ -188,7 +198,14 @@ class KeepModel:
         return {self.xvar[(n, p)]: 1.0}
 
     def RC(self, n: int, e_idx: int) -> dict:
-        """Recomputed exactly at event e (index into events)."""
+        """Recomputed exactly at event e (index into events; do not mutate)."""
+        key = ("rc", n, e_idx)
+        r = self._xcache.get(key)
+        if r is None:
+            r = self._xcache[key] = self._RC(n, e_idx)
+        return r
+
+    def _RC(self, n: int, e_idx: int) -> dict:
         stage = self.events[e_idx]
         pts = self.ps.get(n)
         if not pts or stage not in pts:
@@ -201,7 +218,7 @@ class KeepModel:
         if all(k == CONST for k in e):
             if kind == "le" and e.get(CONST, 0.0) > 1e-9:
                 self.infeasible_const = True
-            if kind == "mem":
+            if kind in ("mem", "memf"):
                 self.const_mem = max(self.const_mem, e.get(CONST, 0.0))
             return
         self.rows.append((e, kind))
@@ -302,6 +319,24 @@ class KeepModel:
             ycache[key] = r
             return r
 
+        def live(k: int, z: dict, stage: int) -> dict:
+            """Storage k is live at a point after `stage`'s recomputes given it
+            is needed there or later (z).  Not made yet means its owner is
+            recomputed later, so L >= z - (X[u,E] - X[u,stage]): exact at
+            integral points and much tighter in the LP relaxation than
+            L >= made + z - 1."""
+            if not z:
+                return {}
+            u = sts[k].owner
+            e = lin((1.0, z), (1.0, self.X(u, stage)), (-1.0, self.X(u, last_stage)))
+            if not self.strengthen:
+                return self.ge_product([made(k, stage), z])
+            if set(z) <= {CONST}:
+                return e
+            v = self._new()
+            self.row(lin((1.0, e), (-1.0, {v: 1.0})))
+            return {v: 1.0}
+
         # Retained into backward.
         R = []
         for k, st in enumerate(sts):
@@ -309,7 +344,7 @@ class KeepModel:
                 ya = {CONST: 1.0}
             else:
                 ya = self.ge_max([self.X(w, last_stage) for w in dyn[k]])
-            R.append(self.ge_product([made_x[k], ya]) if ya else {})
+            R.append(live(k, ya, -1) if ya else {})
         self.R = R
 
         # Slots per event: units owning a storage in scope, recomputable then.
@@ -334,7 +369,7 @@ class KeepModel:
                 y = Yb(k, e)
                 if not y:
                     continue
-                _add(mem, self.ge_product([made(k, stage), y]), float(sts[k].size))
+                _add(mem, live(k, y, stage), float(sts[k].size))
             self.row(mem, "mem")
             # recompute slots, and the gap before this event
             qs = list(slots.get(stage, ()))
@@ -358,19 +393,14 @@ class KeepModel:
                     z_next = self.ge_max(terms)
                     zs[i] = z_next
                 for i, q in enumerate(chain):
-                    if q is None:
-                        mk = made(k, prev)
-                    elif st.owner <= q:
-                        mk = made(k, stage)
-                    else:
-                        mk = made(k, prev)
-                    live = self.ge_product([mk, zs[i]]) if zs[i] else {}
+                    point = stage if (q is not None and st.owner <= q) else prev
+                    lv = live(k, zs[i], point) if zs[i] else {}
                     if q is not None and st.owner == q:
                         rc = self.RC(q, e)
                         if rc:
-                            live = self.ge_max([live, rc]) if live else rc
-                    if live:
-                        _add(mems[i], live, float(st.size))
+                            lv = self.ge_max([lv, rc]) if lv else rc
+                    if lv:
+                        _add(mems[i], lv, float(st.size))
             for m in mems:
                 self.row(m, "mem")
         # Trailing stages with nothing in scope (flat mode: constants only).
@@ -396,7 +426,7 @@ class KeepModel:
                 for st, r in zip(sts, R):
                     if r and st.asap_death < c0:
                         _add(mem, r, float(st.size))
-                self.row(mem, "mem")
+                self.row(mem, "memf")
         # ---- start of backward / bytes kept into backward
         ret: dict = {}
         for st, r in zip(sts, R):
@@ -421,9 +451,18 @@ class KeepModel:
 
     # ------------------------------------------------------------ cvxpy
 
-    def compile(self, *, floor: bool = False, objective: str = "flops", weights=None):
-        """The cvxpy problem.  Parameters: `self.B` (budget or P cap) and,
-        in local mode, `self.Rcap`.  With floor=True, B is a variable to minimize."""
+    def compile(self, objective: str = "flops", *, tie_retained: float = 0.0) -> "Compiled":
+        """A cvxpy problem over this model.
+
+        objective "flops": minimize recompute FLOPs, memory rows <= parameter B.
+        objective "retained": minimize bytes kept into backward (+1e-4 FLOPs).
+        objective "peak": B is a variable; minimize it (+1e-4 FLOPs).
+        In local mode the retained row is <= parameter Rcap."""
+        if not hasattr(self, "_A"):
+            self._matrices()
+        return Compiled(self, objective, tie_retained)
+
+    def _matrices(self):
         ny, nx = self.ny, self.nx
         rows = self.rows
         sizes = [abs(v) for e, kind in rows if kind != "le" for k, v in e.items() if k != CONST]
@@ -432,6 +471,7 @@ class KeepModel:
         rhs = np.zeros(len(rows))
         kind_mem = np.zeros(len(rows))
         kind_ret = np.zeros(len(rows))
+        kind_memf = np.zeros(len(rows))
         for i, (e, kind) in enumerate(rows):
             s = self.scale if kind != "le" else 1.0
             for k, v in e.items():
@@ -443,78 +483,94 @@ class KeepModel:
                     vals.append(v * s)
             if kind == "mem":
                 kind_mem[i] = 1.0
+            elif kind == "memf":
+                kind_memf[i] = 1.0
             elif kind == "ret":
                 kind_ret[i] = 1.0
-        A = sp.csr_matrix((vals, (r_i, c_i)), shape=(len(rows), ny + nx))
-        Ay, Ax = A[:, :ny], A[:, ny:]
+        self._A = sp.csr_matrix((vals, (r_i, c_i)), shape=(len(rows), ny + nx))
+        self._rhs, self._kmem, self._kret, self._kmemf = rhs, kind_mem, kind_ret, kind_memf
+        fl = np.zeros(ny + nx)
+        for k, v in self.obj.items():
+            if k != CONST:
+                fl[k] += v
+        self._fl = fl / max(np.abs(fl).max(initial=0.0), 1.0)
+        ret = np.zeros(ny + nx)
+        for k, v in self.retained_expr.items():
+            if k != CONST:
+                ret[k] += v * self.scale
+        self._ret = ret
+        self.n_constraints = len(rows)
+
+
+class Compiled:
+    """One cvxpy problem of a `KeepModel` (see `KeepModel.compile`)."""
+
+    def __init__(self, m: KeepModel, objective: str, tie_retained: float):
+        self.m = m
+        self.objective = objective
+        ny, nx = m.ny, m.nx
+        A = m._A
         y = cp.Variable(ny, boolean=True) if ny else None
         x = cp.Variable(nx) if nx else None
         self.y, self.x = y, x
+
+        def dot(vec):
+            e = 0
+            if ny:
+                e = e + vec[:ny] @ y
+            if nx:
+                e = e + vec[ny:] @ x
+            return e
+
         lhs = 0
         if ny:
-            lhs = lhs + Ay @ y
+            lhs = lhs + A[:, :ny] @ y
         if nx:
-            lhs = lhs + Ax @ x
+            lhs = lhs + A[:, ny:] @ x
         cons = []
-        if floor:
-            self.B = cp.Variable()
-        else:
-            self.B = cp.Parameter(nonneg=True)
-        self.Rcap = cp.Parameter(nonneg=True, value=0.0)
-        uses_ret = bool(kind_ret.any())
-        if len(rows):
-            bound = rhs + kind_mem * (self.B * self.scale)
-            if uses_ret:
-                bound = bound + kind_ret * (self.Rcap * self.scale)
+        peak = objective == "peak"
+        self.B = cp.Variable() if peak else cp.Parameter(nonneg=True, value=1e18)
+        self.Rcap = cp.Parameter(nonneg=True, value=1e18)
+        # Bytes other segments hold during this one's backward / forward.
+        self.off_b = cp.Parameter(value=0.0)
+        self.off_f = cp.Parameter(value=0.0)
+        if m.n_constraints:
+            bound = m._rhs + m._kmem * ((self.B - self.off_b) * m.scale) \
+                + m._kmemf * ((self.B - self.off_f) * m.scale)
+            if m._kret.any():
+                bound = bound + m._kret * (self.Rcap * m.scale)
             cons.append(lhs <= bound)
         if nx:
-            cons += [x >= 0, x <= np.array(self.xub)]
-        if floor:
-            cons.append(self.B >= self.const_mem)
-        # objective
-        fl = np.zeros(ny + nx)
-        c0 = 0.0
-        for k, v in self.obj.items():
-            if k == CONST:
-                c0 += v
-            else:
-                fl[k] += v
-        self.obj_const = c0
-        tot = max(abs(c0) + np.abs(fl).sum(), 1.0)
-        self.flops_scale = 1.0 / tot
-        fl_expr = 0
-        if ny:
-            fl_expr = fl_expr + (fl[:ny] * self.flops_scale) @ y
-        if nx:
-            fl_expr = fl_expr + (fl[ny:] * self.flops_scale) @ x
-        if floor:
-            obj = self.B * self.scale + 1e-4 * fl_expr
+            cons += [x >= 0, x <= np.array(m.xub)]
+        if peak:
+            cons.append(self.B >= m.const_mem)
+        fl = dot(m._fl)
+        if objective == "flops":
+            obj = fl
+            if tie_retained:
+                obj = obj + tie_retained * dot(m._ret) / max(m._ret.sum(), 1.0)
+        elif objective == "retained":
+            obj = dot(m._ret) / max(m._ret.sum(), 1.0) + 1e-4 * fl
+        elif objective == "peak":
+            obj = self.B * m.scale + 1e-4 * fl
         else:
-            obj = fl_expr
-            if weights:
-                # tie-breaks: a little less kept memory / lower transient
-                ret = np.zeros(ny + nx)
-                for k, v in self.retained_expr.items():
-                    if k != CONST:
-                        ret[k] += v * self.scale
-                if ny:
-                    obj = obj + weights.get("retained", 0.0) * (ret[:ny] @ y)
-                if nx:
-                    obj = obj + weights.get("retained", 0.0) * (ret[ny:] @ x)
+            raise ValueError(objective)
         self.problem = cp.Problem(cp.Minimize(obj), cons)
-        self.n_constraints = len(rows)
-        return self.problem
 
     def solve(self, name: str, *, solver: str = "HIGHS", time_limit: float = 60.0,
               warm: bool = False, log=None):
-        """Solve; returns (kept decisions or None, SolveRecord)."""
+        """Solve; returns (kept decisions or None, SolveRecord).  A solution is
+        accepted only when every binary is integral (CBC may return the LP
+        relaxation at a time limit)."""
+        m = self.m
         t0 = time.perf_counter()
         status, objv, gap = "error", None, None
         keep = None
         try:
-            with quiet_stdout():
+            with quiet_stdout(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 self.problem.solve(solver=solver, warm_start=warm,
-                                   **solver_options(solver, max(time_limit, 0.1)))
+                                   **solver_options(solver, max(time_limit, 0.05)))
             status = self.problem.status
             objv = self.problem.value
             gap = mip_gap(self.problem, solver)
@@ -522,26 +578,28 @@ class KeepModel:
             status = f"error: {str(e)[:80]}"
         except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
             status = f"error: {type(e).__name__}: {str(e)[:80]}"
-        if status in ("optimal", "optimal_inaccurate", "user_limit") and self.ny == 0:
+        ok = status in ("optimal", "optimal_inaccurate", "user_limit")
+        if ok and m.ny == 0:
             keep = set()
-        elif status in ("optimal", "optimal_inaccurate", "user_limit") and self.y.value is not None:
+        elif ok and self.y.value is not None:
             yv = np.asarray(self.y.value, dtype=float)
             if np.all(np.abs(yv - np.round(yv)) < 1e-4):
-                keep = {d for d, v in zip(self.dec, yv) if v > 0.5}
+                keep = {d for d, v in zip(m.dec, yv) if v > 0.5}
             else:
                 status = status + " (fractional)"
         rec = SolveRecord(name, status, None if objv is None else float(objv), gap,
-                          time.perf_counter() - t0, self.ny + self.nx, self.ny, self.n_constraints)
+                          time.perf_counter() - t0, m.ny + m.nx, m.ny, m.n_constraints)
         if log:
-            log(f"  {name}: {status}, gap {gap if gap is not None else '-'}, "
-                f"{rec.seconds:.2f} s ({self.ny} binaries, {self.nx} continuous, {self.n_constraints} rows)")
+            g = "-" if gap is None else f"{gap:.2%}"
+            log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s "
+                f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows)")
         return keep, rec
 
 
 def solver_options(solver: str, time_limit: float) -> dict:
     solver = solver.upper()
     if solver == "HIGHS":
-        return {"time_limit": float(time_limit), "mip_rel_gap": 1e-6}
+        return {"time_limit": float(time_limit), "mip_rel_gap": 1e-6, "mip_abs_gap": 1e-9}
     if solver == "SCIP":
         return {"scip_params": {"limits/time": float(time_limit), "limits/gap": 1e-6}}
     if solver == "CBC":

@@ -1,0 +1,749 @@
+"""The optimizer: rewrite a program's schedule to fit a memory budget with the
+least recomputation.
+
+    result = optimize(program, budget_bytes, scope="activations")
+    result.program          # same graph, new explicit schedule, header.budget set
+    result.predicted_peak   # simulate() peak in the scope (max of first step / steady state)
+
+The plan family and its exact memory model are in `family.py`: per forward
+node, keep its outputs for backward or recompute it lazily in backward.  The
+MILP (`milp.py`, cvxpy; HiGHS by default) picks the cheapest plan that fits.
+
+Small graphs are solved in one MILP ("flat", exact).  Large ones are
+decomposed (`blocks.py`): the forward graph is cut into segments along the
+model chain; repeated blocks are found by structural hashing and each
+distinct segment is solved once, for a range of targets, giving a Pareto set
+of options (bytes kept into backward, transient peak, recompute FLOPs); a
+small MILP then picks one option per segment along the chain.  Every plan
+is built into an explicit schedule and checked with `simulate()`; when the
+real peak exceeds the budget (the decomposition is approximate) the combine
+step is tightened and re-solved, and only plans that fit are returned.
+"""
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import cvxpy as cp
+import msgspec
+import numpy as np
+
+from .blocks import Segment, segments
+from .family import Analysis, apply_plan, profile, simulated_peak
+from .ir import Budget, Program
+from .milp import KeepModel, SolveRecord, quiet_stdout, solver_options, mip_gap
+from .schedule import default_schedule
+from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
+
+FLAT_MAX_DECISIONS = 16  # above this, decompose (when the graph has segments)
+MiB = 1 << 20
+
+
+class Infeasible(ValueError):
+    """The budget is below the smallest peak this optimizer can reach."""
+
+    def __init__(self, message: str, floor_bytes: int, budget_bytes: int | None = None,
+                 scope: str = "total"):
+        super().__init__(message)
+        self.floor_bytes = int(floor_bytes)
+        self.budget_bytes = budget_bytes
+        self.scope = scope
+
+
+@dataclass
+class OptimizeResult:
+    program: Program
+    predicted_peak: int
+    extra_flops: float
+    base_flops: float
+    solves: list[SolveRecord]
+    seconds: float
+    budget: int = 0
+    scope: str = "total"
+    mode: str = "flat"  # "flat", "decomposed" or "none" (the unoptimized plan fits)
+    recomputed: list[str] = field(default_factory=list)
+
+    @property
+    def overhead(self) -> float:
+        return self.extra_flops / self.base_flops if self.base_flops else 0.0
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---------------------------------------------------------------- budgets
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+    "t": 1000 ** 4, "tb": 1000 ** 4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def unoptimized_peak(program: Program, scope: str = "total") -> int:
+    """Peak of the default schedule (compute in order, free after last use)."""
+    fwd, bwd = default_schedule(program)
+    base = Program(header=program.header, values=program.values, nodes=program.nodes,
+                   forward=fwd, backward=bwd, outputs=program.outputs)
+    return simulated_peak(base, scope)[0]
+
+
+def resolve_budget(program: Program, text: str | int | float, scope: str = "total") -> int:
+    """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
+    a fraction of the unoptimized peak in the scope: "0.5", "50%"."""
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        return int(text)
+    if isinstance(text, float):
+        return int(round(text * unoptimized_peak(program, scope)))
+    s = str(text).strip().replace("_", "").replace(" ", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(%|[a-zA-Z]*)", s)
+    if not m:
+        raise ValueError(f"cannot read budget {text!r}: write bytes (123456), a size (800MB, 1.5GiB) "
+                         f"or a fraction of the unoptimized peak (0.5, 50%)")
+    num, unit = m.group(1), m.group(2).lower()
+    if unit == "%":
+        return int(round(float(num) / 100.0 * unoptimized_peak(program, scope)))
+    if unit == "" and ("." in num or "e" in num.lower()):
+        frac = float(num)
+        if frac <= 0:
+            raise ValueError(f"budget fraction must be positive, not {text!r}")
+        return int(round(frac * unoptimized_peak(program, scope)))
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit {m.group(2)!r} in budget {text!r}; use B, KB, MB, GB, KiB, MiB, GiB")
+    return int(round(float(num) * _UNITS[unit]))
+
+
+# ---------------------------------------------------------------- planner
+
+
+@dataclass
+class Plan:
+    keep: list[bool]
+    peak: int  # simulated, max over first step / steady state
+    flops: float
+    report: object = None
+
+
+class Planner:
+    """Everything about one program and scope that solves can share."""
+
+    def __init__(self, program: Program, scope: str, *, solver: str = "HIGHS", log=None,
+                 decompose: bool | None = None):
+        self.program = program
+        self.scope = scope
+        self.solver = solver.upper()
+        self.log = log
+        self.a = Analysis(program, scope)
+        self.solves: list[SolveRecord] = []
+        self.plans: dict[tuple, Plan] = {}
+        a = self.a
+        self.all_dec = a.decisions()
+        self.base_flops = float(sum(n.flops for n in program.nodes))
+        if decompose is None:
+            decompose = len(self.all_dec) > FLAT_MAX_DECISIONS
+            if decompose:
+                segs, _ = segments(a)
+                decompose = sum(1 for s in segs if s.decisions) >= 2
+        self.decompose = decompose
+        self.segs = None
+        self.flat_models: dict[str, object] = {}
+        self.floor_plan: Plan | None = None
+        self.r_levels = 8
+        self.p_levels = 2
+        self.refine_passes = 0  # coordinate descent; rarely helps once options are dense
+        self.densify_rounds = 3
+        self.class_models: dict = {}
+        self.solve_cap = 1.0  # seconds per option MILP: options need not be optimal
+        self.local_models: dict = {}
+
+    def say(self, msg: str) -> None:
+        if self.log:
+            self.log(msg)
+
+    # ---- evaluation
+
+    def evaluate(self, kept: set[int]) -> Plan:
+        key = tuple(sorted(kept))
+        if key in self.plans:
+            return self.plans[key]
+        keep = self.a.keep_of(kept)
+        prog = apply_plan(self.a, keep)
+        peak, rep = simulated_peak(prog, self.scope)
+        plan = Plan(keep, peak, self.a.flops(keep), rep)
+        self.plans[key] = plan
+        return plan
+
+    def keep_all(self) -> Plan:
+        return self.evaluate(set(self.all_dec))
+
+    # ---- flat
+
+    def _flat(self, objective: str):
+        c = self.flat_models.get(objective)
+        if c is None:
+            if "model" not in self.flat_models:
+                t0 = time.perf_counter()
+                self.flat_models["model"] = KeepModel(self.a).build()
+                self.say(f"flat model: {self.flat_models['model'].ny} decisions, built in "
+                         f"{time.perf_counter() - t0:.2f} s")
+            c = self.flat_models["model"].compile(objective)
+            self.flat_models[objective] = c
+        return c
+
+    def flat_floor(self, deadline: float) -> Plan | None:
+        c = self._flat("peak")
+        kept, rec = c.solve("flat floor", solver=self.solver, time_limit=_left(deadline), log=self.log)
+        self.solves.append(rec)
+        if kept is None:
+            return None
+        return self.evaluate(kept)
+
+    def flat_budget(self, budget: int, deadline: float) -> Plan | None:
+        c = self._flat("flops")
+        c.B.value = float(budget)
+        kept, rec = c.solve(f"flat budget {fmt_bytes(budget)}", solver=self.solver,
+                            time_limit=_left(deadline), log=self.log)
+        self.solves.append(rec)
+        if kept is None:
+            return None
+        return self.evaluate(kept)
+
+    # ---- decomposed
+
+    def prepare_segments(self, deadline: float) -> None:
+        if self.segs is not None:
+            return
+        a = self.a
+        t0 = time.perf_counter()
+        segs, fixed = segments(a)
+        self.segs, self.fixed = segs, fixed
+        # Partition of the backward stages into windows, in backward order.
+        with_st = sorted((s for s in segs if s.storages), key=lambda s: s.window[0])
+        self.part = {}
+        for i, s in enumerate(with_st):
+            hi = with_st[i + 1].window[0] - 1 if i + 1 < len(with_st) else a.nb - 1
+            self.part[s.index] = (s.window[0], max(hi, s.window[1]))
+        self.first_window = with_st[0].window[0] if with_st else a.nb
+        classes: dict[str, list[Segment]] = {}
+        for s in segs:
+            classes.setdefault(s.signature, []).append(s)
+        self.classes = classes
+        self.say(f"decomposition: {len(segs)} segments, {len(classes)} distinct, "
+                 f"{len(fixed)} checkpoints forced, {len(self.all_dec)} decisions "
+                 f"({time.perf_counter() - t0:.2f} s)")
+        # Per class: Pareto options from the canonical instance.
+        self.options: dict[int, list[dict]] = {}
+        n_cls = sum(1 for ss in classes.values() if ss[0].decisions)
+        for ci, (sig, inst) in enumerate(classes.items()):
+            canon = inst[0]
+            if not canon.decisions:
+                opts = [frozenset()]
+            else:
+                share = max(_left(deadline) * 0.5 / max(n_cls, 1), 0.5)
+                opts = self._class_options(canon, time.perf_counter() + share)
+            self._evaluate_options(canon, inst, opts)
+
+    def _class_model(self, canon: Segment) -> dict:
+        cm = self.class_models.get(canon.signature)
+        if cm is None:
+            m = KeepModel(self.a, nodes=canon.nodes, storages=canon.storages, fixed=self.fixed,
+                          mode="local", decisions=canon.decisions).build()
+            cm = self.class_models[canon.signature] = {"model": m}
+        return cm
+
+    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None,
+                     time_limit: float = 1.0):
+        """One MILP on a class's canonical segment; returns (kept, rec, B value)."""
+        cm = self._class_model(canon)
+        c = cm.get(objective)
+        if c is None:
+            c = cm[objective] = cm["model"].compile(objective, tie_retained=1e-3 if objective == "flops" else 0.0)
+        if objective != "peak":
+            c.B.value = float(B) if B is not None else 1e18
+        c.Rcap.value = float(R) if R is not None else 1e18
+        kept, rec = c.solve(f"{canon.name} {label}", solver=self.solver, time_limit=time_limit,
+                            log=self.log, warm=True)
+        self.solves.append(rec)
+        bval = float(c.B.value) if (objective == "peak" and c.B.value is not None) else None
+        return kept, rec, bval
+
+    def _class_options(self, canon: Segment, deadline: float) -> list[frozenset]:
+        """Kept-decision sets of the canonical instance: a Pareto set over
+        (bytes kept into backward, transient peak, recompute FLOPs)."""
+        a = self.a
+        # Two plans need no solve: keep everything, recompute everything.
+        opts: list[frozenset] = [frozenset(canon.decisions), frozenset()]
+        others = set(self.all_dec) - set(canon.decisions)
+
+        def retained(k):
+            return profile(a, a.keep_of(others | set(k)), canon.storages, with_constants=False).retained
+
+        r_all = retained(canon.decisions)
+        left = [1 + self.r_levels + 2 * self.p_levels]
+
+        def run(objective, label, B=None, R=None):
+            tl = min(max(_left(deadline) / max(left[0], 1), 0.05), self.solve_cap)
+            left[0] = max(left[0] - 1, 1)
+            kept, rec, bval = self._solve_class(canon, objective, label, B=B, R=R, time_limit=tl)
+            if kept is not None:
+                opts.append(frozenset(kept))
+            return kept, bval
+
+        k_min, _ = run("retained", "min kept")
+        r_min = retained(k_min) if k_min is not None else r_all
+        levels = list(np.linspace(r_min, r_all, self.r_levels + 1)[:-1])
+        for r in levels:
+            if _left(deadline) <= 0:
+                break
+            run("flops", f"kept<={fmt_bytes(r)}", R=r + 0.5)
+        # Lower-transient options for the smallest kept sizes: the least
+        # peak, then the cheapest plan at that peak.
+        for r in levels[:self.p_levels]:
+            if _left(deadline) <= 0:
+                break
+            k, bval = run("peak", f"min peak kept<={fmt_bytes(r)}", R=r + 0.5)
+            if k is None or bval is None:
+                continue
+            pcap = bval * (1 + 1e-6) + 4096
+            run("flops", f"peak<={fmt_bytes(pcap)} kept<={fmt_bytes(r)}", B=pcap, R=r + 0.5)
+        return list(dict.fromkeys(opts))
+
+    def densify(self, choice: dict, deadline: float) -> bool:
+        """Add options next to the ones the combine chose (kept sizes halfway
+        to the neighbouring options).  Returns whether any option was added."""
+        added = False
+        for sig, inst in self.classes.items():
+            canon = inst[0]
+            if not canon.decisions or _left(deadline) <= 0.3:
+                continue
+            have = sorted({o["retained"] for o in self.options[canon.index]})
+            chosen = sorted({choice[s.index]["retained"] for s in inst if s.index in choice})
+            caps = set()
+            for r in chosen:
+                i = have.index(r) if r in have else bisect_left(have, r)
+                if i > 0:
+                    caps.add((have[i - 1] + r) / 2)
+                if i + 1 < len(have):
+                    caps.add((r + have[i + 1]) / 2)
+            caps = {c for c in caps if not any(abs(c - h) < 1 for h in have)}
+            new = []
+            for c in sorted(caps):
+                if _left(deadline) <= 0.3:
+                    break
+                kept, _, _ = self._solve_class(canon, "flops", f"kept<={fmt_bytes(c)}", R=c + 0.5,
+                                               time_limit=min(self.solve_cap, _left(deadline) / 4))
+                if kept is not None:
+                    new.append(frozenset(kept))
+            if new:
+                before = {o["kept"] for s in inst for o in self.options[s.index]}
+                self._evaluate_options(canon, inst, new)
+                after = {o["kept"] for s in inst for o in self.options[s.index]}
+                added = added or after != before
+        return added
+
+    def _evaluate_options(self, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
+        a = self.a
+        others = set(self.all_dec) - set(canon.decisions)
+        for o in opts:
+            pr = profile(a, a.keep_of(others | set(o)), canon.storages, with_constants=False)
+            for s in inst:
+                nmap = dict(zip(canon.nodes, s.nodes))
+                kept = frozenset(nmap[d] for d in o)
+                db = s.window[0] - canon.window[0]
+                df = s.nodes[0] - canon.nodes[0]
+                lo, hi = self.part.get(s.index, (s.window[0], s.window[1]))
+                pb = 0
+                if hi >= lo:
+                    js = np.arange(lo, hi + 1)
+                    rel = js - db
+                    ok = (rel >= 0) & (rel < a.nb)
+                    lb = np.zeros(len(js), dtype=np.int64)
+                    lq = np.zeros(len(js), dtype=np.int64)
+                    lb[ok] = pr.live_b[rel[ok]]
+                    lq[ok] = pr.live_q[rel[ok]]
+                    pb = int(max((a.const_b[js] + lb).max(), (a.const_pre[js] + lq).max()))
+                f0, f1 = s.fwd_range
+                ts = np.arange(f0, f1 + 1)
+                pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts - df]).max())
+                self.options.setdefault(s.index, []).append(dict(
+                    kept=kept, retained=int(pr.retained), pf=pf, pb=pb, flops=pr.flops))
+        for s in inst:
+            # Drop dominated options.
+            ops = self.options[s.index]
+            uniq = {}
+            for o in ops:
+                uniq.setdefault(o["kept"], o)
+            ops = list(uniq.values())
+            keep = []
+            for o in ops:
+                dom = any(q is not o and q["retained"] <= o["retained"] and q["pf"] <= o["pf"]
+                          and q["pb"] <= o["pb"] and q["flops"] <= o["flops"]
+                          and (q["retained"], q["pf"], q["pb"], q["flops"]) !=
+                          (o["retained"], o["pf"], o["pb"], o["flops"]) for q in ops)
+                if not dom:
+                    keep.append(o)
+            # identical numbers: keep one
+            seen, final = set(), []
+            for o in keep:
+                k = (o["retained"], o["pf"], o["pb"], o["flops"])
+                if k not in seen:
+                    seen.add(k)
+                    final.append(o)
+            self.options[s.index] = final
+
+    def combine(self, budget: float | None, deadline: float, label: str):
+        """Pick one option per segment (a small MILP).  budget None: minimize
+        the modeled peak.  Returns (kept decision set, modeled peak) or None."""
+        a = self.a
+        segs = self.segs
+        idx = []  # (segment, option)
+        for s in segs:
+            for k, o in enumerate(self.options.get(s.index, [])):
+                idx.append((s.index, k))
+        n = len(idx)
+        col = {p: i for i, p in enumerate(idx)}
+        R = np.array([self.options[s][k]["retained"] for s, k in idx], dtype=float)
+        PF = np.array([self.options[s][k]["pf"] for s, k in idx], dtype=float)
+        PB = np.array([self.options[s][k]["pb"] for s, k in idx], dtype=float)
+        FL = np.array([self.options[s][k]["flops"] for s, k in idx], dtype=float)
+        rows, consts = [], []
+        order_f = [s.index for s in segs]
+        pos_f = {si: i for i, si in enumerate(order_f)}
+        for s in segs:
+            if s.index not in self.options:
+                continue
+            # forward range of s: its transient + what earlier segments keep
+            r = np.zeros(n)
+            for (si, k), c in col.items():
+                if si == s.index:
+                    r[c] = PF[c]
+                elif pos_f[si] < pos_f[s.index]:
+                    r[c] = R[c]
+            rows.append(r)
+            consts.append(0.0)
+            if s.index in self.part:
+                lo = self.part[s.index][0]
+                r = np.zeros(n)
+                for (si, k), c in col.items():
+                    if si == s.index:
+                        r[c] = PB[c]
+                    elif si in self.part and self.part[si][0] > lo:
+                        r[c] = R[c]
+                rows.append(r)
+                consts.append(0.0)
+        start = float(a.const_start)
+        if self.first_window > 0:
+            start = max(start, float(a.const_b[:self.first_window].max()))
+        rows.append(R.copy())
+        consts.append(start)
+        A = np.array(rows)
+        cst = np.array(consts)
+        scale = 1000.0 / max(float(np.abs(A).max()), 1.0)
+        z = cp.Variable(n, boolean=True)
+        cons = []
+        for s in segs:
+            cols = [col[(s.index, k)] for k in range(len(self.options.get(s.index, [])))]
+            if cols:
+                cons.append(cp.sum(z[cols]) == 1)
+        flsc = FL / max(FL.sum(), 1.0)
+        if budget is None:
+            B = cp.Variable()
+            cons.append((A * scale) @ z + cst * scale <= B)
+            obj = cp.Minimize(B + 1e-4 * (flsc @ z))
+        else:
+            cons.append((A * scale) @ z + cst * scale <= float(budget) * scale)
+            obj = cp.Minimize(flsc @ z)
+        prob = cp.Problem(obj, cons)
+        t0 = time.perf_counter()
+        status, gap = "error", None
+        try:
+            with quiet_stdout(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prob.solve(solver=self.solver, **solver_options(self.solver, max(_left(deadline), 0.5)))
+            status = prob.status
+            gap = mip_gap(prob, self.solver)
+        except Exception as e:  # noqa: BLE001
+            status = f"error: {str(e)[:80]}"
+        rec = SolveRecord(f"combine {label}", status, None if prob.value is None else float(prob.value),
+                          gap, time.perf_counter() - t0, n, n, len(rows) + len(segs))
+        self.solves.append(rec)
+        if self.log:
+            g = "-" if gap is None else f"{gap:.2%}"
+            self.log(f"  MILP {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
+        if status not in ("optimal", "optimal_inaccurate", "user_limit") or z.value is None:
+            return None
+        zv = np.asarray(z.value)
+        if np.any(np.abs(zv - np.round(zv)) > 1e-4):
+            return None
+        modeled = float(((A @ np.round(zv)) + cst).max())
+        choice = {si: self.options[si][k] for (si, k), c in col.items() if zv[c] > 0.5}
+        return self.kept_of(choice), modeled, choice
+
+    def kept_of(self, choice: dict) -> set[int]:
+        kept = set(self.all_dec) - {d for s in self.segs for d in s.decisions}
+        for o in choice.values():
+            kept |= set(o["kept"])
+        return kept
+
+    # ---- refinement
+
+    def option_stats(self, s: Segment, kept: frozenset) -> dict:
+        """(kept, retained, pf, pb, flops) of segment instance `s` with `kept`."""
+        a = self.a
+        others = set(self.all_dec) - set(s.decisions)
+        pr = profile(a, a.keep_of(others | set(kept)), s.storages, with_constants=False)
+        pb = 0
+        if s.index in self.part:
+            lo, hi = self.part[s.index]
+            js = np.arange(lo, hi + 1)
+            pb = int(max((a.const_b[js] + pr.live_b[js]).max(), (a.const_pre[js] + pr.live_q[js]).max()))
+        f0, f1 = s.fwd_range
+        ts = np.arange(f0, f1 + 1)
+        pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts]).max())
+        return dict(kept=frozenset(kept), retained=int(pr.retained), pf=pf, pb=pb, flops=pr.flops)
+
+    def _rows(self, choice: dict, target: float):
+        """Per segment: (bytes others hold in its forward range, in its
+        backward window, room left for its own retained bytes)."""
+        segs = self.segs
+        pos = {s.index: i for i, s in enumerate(segs)}
+        lo = {si: self.part[si][0] for si in self.part}
+        R = {si: o["retained"] for si, o in choice.items()}
+        start = float(self.a.const_start)
+        if self.first_window > 0:
+            start = max(start, float(self.a.const_b[:self.first_window].max()))
+        off_f = {si: sum(R[j] for j in R if pos[j] < pos[si]) for si in R}
+        off_b = {si: sum(R[j] for j in R if j in lo and si in lo and lo[j] > lo[si]) for si in R}
+        slack_f = {si: target - (choice[si]["pf"] + off_f[si]) for si in R}
+        slack_b = {si: target - (choice[si]["pb"] + off_b[si]) for si in R if si in lo}
+        slack_start = target - (start + sum(R.values()))
+        room = {}
+        for si in R:
+            m = slack_start
+            for j in R:
+                if pos[j] > pos[si]:
+                    m = min(m, slack_f[j])
+                if j in slack_b and si in lo and lo[j] < lo[si]:
+                    m = min(m, slack_b[j])
+            room[si] = R[si] + m
+        return off_f, off_b, room
+
+    def refine(self, choice: dict, target: float, deadline: float) -> dict:
+        """One pass of coordinate descent: re-solve each segment's own MILP
+        with exactly the room the other segments leave it."""
+        a = self.a
+        choice = dict(choice)
+        byseg = {s.index: s for s in self.segs}
+        order = sorted((si for si in choice if byseg[si].decisions and choice[si]["flops"] > 0),
+                       key=lambda si: -choice[si]["flops"])
+        for n_left, si in zip(range(len(order), 0, -1), order):
+            if _left(deadline) <= 0.2:
+                break
+            s = byseg[si]
+            off_f, off_b, room = self._rows(choice, target)
+            c = self.local_models.get(si)
+            if c is None:
+                m = KeepModel(a, nodes=s.nodes, storages=s.storages, fixed=self.fixed, mode="local",
+                              decisions=s.decisions).build()
+                c = self.local_models[si] = m.compile("flops", tie_retained=1e-3)
+            c.B.value = float(target)
+            c.off_f.value = float(off_f[si])
+            c.off_b.value = float(off_b[si])
+            c.Rcap.value = float(max(room[si], 0.0)) + 0.5
+            kept, rec = c.solve(f"refine {s.name}", solver=self.solver,
+                                time_limit=min(_left(deadline) / n_left, 5.0), log=self.log)
+            self.solves.append(rec)
+            if kept is None:
+                continue
+            o = self.option_stats(s, frozenset(kept))
+            cur = choice[si]
+            if o["flops"] < cur["flops"] and o["retained"] <= room[si] + 0.5 \
+                    and o["pf"] + off_f[si] <= target and (si not in self.part or o["pb"] + off_b[si] <= target):
+                choice[si] = o
+        return choice
+
+    def decomposed_budget(self, budget: int, deadline: float) -> Plan | None:
+        """The cheapest plan the combine (and a refinement pass) finds that
+        really fits."""
+        self.prepare_segments(deadline)
+        target = float(budget)
+        best = None
+        for it in range(8):
+            got = self.combine(target, deadline, f"{fmt_bytes(budget)}" + (f" (try {it + 1})" if it else ""))
+            if got is None:
+                break
+            kept, modeled, choice = got
+            plan = self.evaluate(kept)
+            self.say(f"  plan: modeled {fmt_bytes(modeled)}, simulated {fmt_bytes(plan.peak)}, "
+                     f"+{plan.flops / 1e9:.4g} GFLOP")
+            if plan.peak <= budget:
+                best = (plan, choice, target)
+                break
+            over = plan.peak - budget
+            target = min(target - over, modeled - over) - 1
+            if _left(deadline) <= 0:
+                break
+        if best is None:
+            return None
+        plan, choice, target = best
+        for rnd in range(self.densify_rounds):
+            if plan.flops <= 0 or _left(deadline) <= 1.0 or not self.densify(choice, deadline):
+                break
+            got = self.combine(target, deadline, f"{fmt_bytes(budget)} (denser options)")
+            if got is None:
+                break
+            kept, modeled, ch2 = got
+            p2 = self.evaluate(kept)
+            self.say(f"  denser: simulated {fmt_bytes(p2.peak)}, +{p2.flops / 1e9:.4g} GFLOP")
+            if p2.peak <= budget and p2.flops < plan.flops:
+                plan, choice = p2, ch2
+            else:
+                break
+        if self.refine_passes and plan.flops > 0 and _left(deadline) > 0.5:
+            for _ in range(self.refine_passes):
+                new = self.refine(choice, target, deadline)
+                if all(new[k] is choice[k] for k in new):
+                    break
+                p2 = self.evaluate(self.kept_of(new))
+                self.say(f"  refined: simulated {fmt_bytes(p2.peak)}, +{p2.flops / 1e9:.4g} GFLOP")
+                if p2.peak <= budget and p2.flops < plan.flops:
+                    plan, choice = p2, new
+                else:
+                    break
+        return plan
+
+    def decomposed_floor(self, deadline: float) -> Plan | None:
+        self.prepare_segments(deadline)
+        got = self.combine(None, deadline, "min peak")
+        cands = []
+        if got is not None:
+            kept, modeled, _ = got
+            plan = self.evaluate(kept)
+            cands.append(plan)
+            # The model is approximate: try to close the gap with budgets just
+            # below the first plan's simulated peak.
+            if plan.peak > modeled:
+                p2 = self.decomposed_budget(int(modeled), deadline)
+                if p2 is not None:
+                    cands.append(p2)
+        cands.append(self.keep_all())
+        cands.append(self.evaluate(self.kept_of({})))  # checkpoint every segment
+        return min(cands, key=lambda p: (p.peak, p.flops))
+
+    # ---- the floor
+
+    def floor_plan_for(self, deadline: float) -> Plan:
+        if self.floor_plan is None:
+            plan = None
+            if not self.decompose:
+                plan = self.flat_floor(deadline)
+            else:
+                plan = self.decomposed_floor(deadline)
+            cands = [p for p in (plan, self.keep_all(), self.evaluate(set())) if p is not None]
+            self.floor_plan = min(cands, key=lambda p: (p.peak, p.flops))
+        return self.floor_plan
+
+
+def _left(deadline: float) -> float:
+    return deadline - time.perf_counter()
+
+
+_CACHE: list = []
+
+
+def _planner(program: Program, scope: str, solver: str, log, decompose) -> Planner:
+    for pl in _CACHE:
+        if pl.program is program and pl.scope == scope and pl.solver == solver.upper() \
+                and (decompose is None or pl.decompose == decompose):
+            pl.log = log
+            return pl
+    pl = Planner(program, scope, solver=solver, log=log, decompose=decompose)
+    _CACHE.append(pl)
+    del _CACHE[:-4]
+    return pl
+
+
+def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
+    scope = pl.scope
+    f = floor_plan.peak
+    rep = floor_plan.report
+    if scope == "total":
+        base = simulate(pl.program, grads_present=True).baseline
+        params = base.get(PARAMS, 0)
+        grads = base.get(GRADIENTS, 0)
+        opt = base.get(OPTIMIZER, 0)
+        fixed = sum(base.values())
+        if fixed > budget:
+            parts = [f"parameters {fmt_bytes(params)}", f"gradients {fmt_bytes(grads)}"]
+            if opt:
+                parts.append(f"optimizer state {fmt_bytes(opt)}")
+            rest = fixed - params - grads - opt
+            if rest:
+                parts.append(f"buffers and inputs {fmt_bytes(rest)}")
+            msg = (f"budget {fmt_bytes(budget)} (total) is below the floor: {' + '.join(parts)} "
+                   f"already exceed it (the smallest total peak is {fmt_bytes(f)})")
+            return Infeasible(msg, f, budget, scope)
+    where = profile(pl.a, floor_plan.keep, range(len(pl.a.storages))).where
+    what = "activation peak" if scope == "activations" else "total peak"
+    msg = (f"budget {fmt_bytes(budget)} ({scope}) is below the floor: the smallest {what} this "
+           f"graph allows is {fmt_bytes(f)} (at {where}); asked {fmt_bytes(budget)}")
+    return Infeasible(msg, f, budget, scope)
+
+
+def floor(program: Program, scope: str = "total", *, time_limit: float = 60.0, solver: str = "HIGHS",
+          log=None, decompose: bool | None = None) -> int:
+    """The smallest peak (in `scope`, max of first step and steady state) of
+    any plan this optimizer can produce for `program`."""
+    pl = _planner(program, scope, solver, log, decompose)
+    return pl.floor_plan_for(time.perf_counter() + time_limit).peak
+
+
+def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_limit: float = 60.0,
+             solver: str = "HIGHS", log=None, decompose: bool | None = None) -> OptimizeResult:
+    """A plan for `program` whose simulated peak in `scope` fits `budget_bytes`
+    (first step and steady state), with the least recompute FLOPs found
+    within `time_limit` seconds.  Raises `Infeasible` below the floor."""
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    budget = int(budget_bytes)
+    solver = solver.upper()
+    if solver not in cp.installed_solvers():
+        raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
+                         f"{', '.join(s for s in ('HIGHS', 'SCIP', 'CBC', 'GLPK_MI') if s in cp.installed_solvers())}")
+    pl = _planner(program, scope, solver, log, decompose)
+    n_solves = len(pl.solves)
+    pl.say(f"optimize {program.header.model or 'program'}: budget {fmt_bytes(budget)} ({scope}), "
+           f"{pl.a.nf} forward / {pl.a.nb} backward nodes, {len(pl.all_dec)} decisions, "
+           f"{'decomposed' if pl.decompose else 'flat'}")
+    plan, mode = None, "none"
+    base = pl.keep_all()
+    if base.peak <= budget:
+        plan = base  # nothing to recompute
+    else:
+        mode = "decomposed" if pl.decompose else "flat"
+        if pl.decompose:
+            plan = pl.decomposed_budget(budget, deadline)
+        else:
+            plan = pl.flat_budget(budget, deadline)
+            if plan is not None and plan.peak > budget:  # never: the flat model is exact
+                plan = None
+        if plan is None:
+            fp = pl.floor_plan_for(max(deadline, time.perf_counter() + 5.0))
+            if fp.peak > budget:
+                raise _infeasible(pl, budget, fp)
+            plan = fp
+    out = apply_plan(pl.a, plan.keep, Budget(budget, scope))
+    recomputed = [ins.target for ins in out.backward if ins.kind == "recompute"]
+    return OptimizeResult(
+        program=out, predicted_peak=int(plan.peak), extra_flops=float(plan.flops),
+        base_flops=pl.base_flops, solves=list(pl.solves[n_solves:]), seconds=time.perf_counter() - t0,
+        budget=budget, scope=scope, mode=mode, recomputed=recomputed)

@@ -1,0 +1,357 @@
+"""The optimizer: plans fit their budget, the floor is exact on tiny graphs,
+and the MILP's recompute cost equals a brute-force search over the plan
+family (keep or recompute each forward node; see `remat_ir/family.py`)."""
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from programs import programs, random_program  # noqa: E402
+
+from remat_ir.family import Analysis, apply_plan, model_peak, simulated_peak  # noqa: E402
+from remat_ir.ir import (  # noqa: E402
+    BACKWARD, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output, Program,
+    Ref, Seq, Value, contiguous_stride,
+)
+from remat_ir.optimize import (  # noqa: E402
+    Infeasible, floor, optimize, resolve_budget, unoptimized_peak,
+)
+from remat_ir.schedule import default_schedule  # noqa: E402
+from remat_ir.simulate import simulate  # noqa: E402
+from remat_ir.verify import verify  # noqa: E402
+
+SCOPES = ("total", "activations")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def stacked_program(n_blocks: int = 4, batch: int = 8, d: int = 16, h: int = 32) -> Program:
+    """A residual MLP, `n_blocks` identical blocks (modules `blocks.i.*`):
+    x' = x + relu(x @ W1) @ W2, loss = sum(x_n), with its backward graph."""
+    values: list[Value] = []
+    nodes: list[Node] = []
+
+    def val(name, kind, shape, view_of=None, rg=False, stride=None):
+        stride = contiguous_stride(shape) if stride is None else stride
+        nbytes = 4
+        for s in shape:
+            nbytes *= s
+        values.append(Value(name=name, kind=kind, dtype="float32", shape=list(shape), stride=stride,
+                            storage=view_of or name, nbytes=0 if view_of else nbytes,
+                            source=name if kind in (INPUT, PARAM) else "", requires_grad=rg))
+        return name
+
+    def node(name, op, ins, outs, phase, module, flops):
+        nodes.append(Node(name=name, op=op, args=[Ref(i) for i in ins], kwargs={}, outputs=outs,
+                          phase=phase, module=module, flops=float(flops)))
+
+    x = val("x", INPUT, [batch, d])
+    ws = []
+    for i in range(n_blocks):
+        ws.append((val(f"blocks.{i}.fc1.weight", PARAM, [d, h], rg=True),
+                   val(f"blocks.{i}.fc2.weight", PARAM, [h, d], rg=True)))
+    xs = [x]
+    saved = []
+    for i, (w1, w2) in enumerate(ws):
+        m = f"blocks.{i}"
+        a = val(f"{m}.fc1.mm", VALUE, [batch, h])
+        node(a, "aten.mm.default", [xs[-1], w1], [a], FORWARD, f"{m}.fc1", 2 * batch * d * h)
+        r = val(f"{m}.act.relu", VALUE, [batch, h])
+        node(r, "aten.relu.default", [a], [r], FORWARD, f"{m}.act", batch * h)
+        o = val(f"{m}.fc2.mm", VALUE, [batch, d])
+        node(o, "aten.mm.default", [r, w2], [o], FORWARD, f"{m}.fc2", 2 * batch * h * d)
+        y = val(f"{m}.add", VALUE, [batch, d])
+        node(y, "aten.add.Tensor", [xs[-1], o], [y], FORWARD, m, batch * d)
+        saved.append((xs[-1], r))
+        xs.append(y)
+    loss = val("sum", VALUE, [])
+    node(loss, "aten.sum.default", [xs[-1]], [loss], FORWARD, "", batch * d)
+    t = val("d.sum", TANGENT, [])
+    g = val("d.expand", VALUE, [batch, d], view_of=t, stride=[0, 0])
+    node(g, "aten.expand.default", [t], [g], BACKWARD, "", 0)
+    outputs = [Output(RESULT, "0", loss)]
+    for i in reversed(range(n_blocks)):
+        m = f"d.blocks.{i}"
+        w1, w2 = ws[i]
+        xin, r = saved[i]
+        dw2 = val(f"{m}.fc2.dw", VALUE, [h, d])
+        node(dw2, "aten.mm.default", [r, g], [dw2], BACKWARD, f"blocks.{i}.fc2", 2 * batch * h * d)
+        dr = val(f"{m}.fc2.dx", VALUE, [batch, h])
+        node(dr, "aten.mm.default", [g, w2], [dr], BACKWARD, f"blocks.{i}.fc2", 2 * batch * h * d)
+        da = val(f"{m}.act.relu_backward", VALUE, [batch, h])
+        node(da, "aten.threshold_backward.default", [dr, r], [da], BACKWARD, f"blocks.{i}.act", batch * h)
+        dw1 = val(f"{m}.fc1.dw", VALUE, [d, h])
+        node(dw1, "aten.mm.default", [xin, da], [dw1], BACKWARD, f"blocks.{i}.fc1", 2 * batch * d * h)
+        dx = val(f"{m}.fc1.dx", VALUE, [batch, d])
+        node(dx, "aten.mm.default", [da, w1], [dx], BACKWARD, f"blocks.{i}.fc1", 2 * batch * d * h)
+        g2 = val(f"{m}.add", VALUE, [batch, d])
+        node(g2, "aten.add.Tensor", [g, dx], [g2], BACKWARD, f"blocks.{i}", batch * d)
+        outputs += [Output(GRAD, w1, dw1), Output(GRAD, w2, dw2)]
+        g = g2
+    p = Program(header=Header(model="stacked", has_loss=True), values=values, nodes=nodes,
+                forward=[], backward=[], outputs=outputs)
+    p.forward, p.backward = default_schedule(p)
+    return p
+
+
+def peaks(program: Program, scope: str) -> int:
+    return max(simulate(program, grads_present=g).scope_peak(scope) for g in (True, False))
+
+
+def check_plan(result, program: Program, budget: int, scope: str) -> None:
+    out = result.program
+    assert out.values == program.values and out.nodes == program.nodes
+    assert out.outputs == program.outputs
+    assert out.header.budget is not None and out.header.budget.bytes == budget
+    assert out.header.budget.scope == scope
+    real = peaks(out, scope)
+    assert real <= budget, f"simulated peak {real} > budget {budget}"
+    assert result.predicted_peak == real
+    v = verify(out)
+    assert v.ok, str(v)
+    recomputed = sum(n.flops for n in out.nodes
+                     if any(i.kind == "recompute" and i.target == n.name for i in out.backward))
+    counts = {}
+    for i in out.backward:
+        if i.kind == "recompute":
+            counts[i.target] = counts.get(i.target, 0) + 1
+    nm = out.node_map()
+    assert result.extra_flops == pytest.approx(sum(nm[k].flops * c for k, c in counts.items()))
+    assert recomputed <= result.extra_flops + 1e-6
+    assert result.base_flops == pytest.approx(sum(n.flops for n in program.nodes))
+
+
+def brute_force(program: Program, scope: str):
+    """(peak, flops) of every plan of the family, by building and simulating it."""
+    a = Analysis(program, scope)
+    dec = a.decisions()
+    out = []
+    for bits in itertools.product((0, 1), repeat=len(dec)):
+        keep = a.keep_of({d for d, b in zip(dec, bits) if b})
+        peak, _ = simulated_peak(apply_plan(a, keep), scope)
+        out.append((peak, a.flops(keep)))
+    return out
+
+
+def tiny_programs(n: int):
+    """Random programs with 2..8 decisions (at most 256 plans)."""
+    got, seed = [], 0
+    while len(got) < n:
+        p = random_program(seed, n_forward=4 + seed % 6)
+        seed += 1
+        d = len(Analysis(p, "total").decisions())
+        if 2 <= d <= 8:
+            got.append((seed - 1, p))
+    return got
+
+
+# ------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("seed,program", tiny_programs(12), ids=lambda x: str(x) if isinstance(x, int) else "")
+def test_floor_and_cost_match_brute_force(seed, program):
+    for scope in SCOPES:
+        plans = brute_force(program, scope)
+        best = min(p for p, _ in plans)
+        assert floor(program, scope, decompose=False) == best
+        distinct = sorted({p for p, _ in plans})
+        for budget in distinct[:3] + [distinct[len(distinct) // 2]]:
+            want = min(f for p, f in plans if p <= budget)
+            r = optimize(program, budget, scope, decompose=False)
+            assert r.extra_flops == pytest.approx(want, rel=1e-9, abs=1e-9), (scope, budget)
+            check_plan(r, program, budget, scope)
+        with pytest.raises(Infeasible) as e:
+            optimize(program, best - 1, scope, decompose=False)
+        assert e.value.floor_bytes == best
+
+
+def test_model_equals_simulator_on_every_plan():
+    """The MILP's memory model, evaluated directly, is the simulator's peak."""
+    for _, program in tiny_programs(6):
+        for scope in SCOPES:
+            a = Analysis(program, scope)
+            dec = a.decisions()
+            for bits in itertools.product((0, 1), repeat=len(dec)):
+                keep = a.keep_of({d for d, b in zip(dec, bits) if b})
+                assert model_peak(a, keep) == simulated_peak(apply_plan(a, keep), scope)[0]
+
+
+def test_stacked_flat_matches_brute_force():
+    p = stacked_program(3)
+    for scope in SCOPES:
+        plans = brute_force(p, scope)
+        best = min(x for x, _ in plans)
+        assert floor(p, scope, decompose=False) == best
+        mid = sorted({x for x, _ in plans})[len(plans) and len({x for x, _ in plans}) // 3]
+        r = optimize(p, mid, scope, decompose=False)
+        assert r.extra_flops == pytest.approx(min(f for x, f in plans if x <= mid))
+        check_plan(r, p, mid, scope)
+
+
+# ------------------------------------------------------------------ decomposition
+
+
+@pytest.fixture(scope="module")
+def stacked12():
+    return stacked_program(12)
+
+
+def test_decomposed_plans_fit(stacked12):
+    p = stacked12
+    for scope in SCOPES:
+        top = unoptimized_peak(p, scope)
+        f = floor(p, scope)
+        assert f <= top
+        for frac in (0.9, 0.7, 0.5):
+            budget = int(top * frac)
+            if budget < f:
+                with pytest.raises(Infeasible) as e:
+                    optimize(p, budget, scope)
+                assert e.value.floor_bytes == f
+                continue
+            r = optimize(p, budget, scope)
+            assert r.mode in ("decomposed", "none")
+            check_plan(r, p, budget, scope)
+            assert all(s.status for s in r.solves)
+        r = optimize(p, f, scope)
+        check_plan(r, p, f, scope)
+
+
+def test_decomposition_finds_repeated_blocks(stacked12):
+    from remat_ir.blocks import segments
+
+    a = Analysis(stacked12, "activations")
+    segs, fixed = segments(a)
+    sigs = {s.signature for s in segs}
+    assert len(segs) == 12 and len(sigs) <= 3  # first, middle (x10), last
+    assert fixed  # the block inputs are the checkpoints
+
+
+def test_decomposed_quality_vs_flat():
+    """On a graph small enough for the flat MILP, the decomposed plan costs
+    at most a little more (and never less: the flat MILP is exact)."""
+    p = stacked_program(6)
+    scope = "activations"
+    top = unoptimized_peak(p, scope)
+    for frac in (0.8, 0.6):
+        budget = int(top * frac)
+        try:
+            flat = optimize(p, budget, scope, decompose=False)
+        except Infeasible:
+            continue
+        dec = optimize(p, budget, scope, decompose=True)
+        check_plan(dec, p, budget, scope)
+        assert dec.extra_flops >= flat.extra_flops - 1e-6
+        assert dec.extra_flops <= 2 * flat.extra_flops + 0.05 * flat.base_flops
+
+
+# ------------------------------------------------------------------ infeasible
+
+
+def test_infeasible_message_names_parameters():
+    p = stacked_program(2)
+    base = simulate(p, grads_present=True).baseline_bytes
+    with pytest.raises(Infeasible) as e:
+        optimize(p, base // 2, "total")
+    msg = str(e.value)
+    assert "parameters" in msg and "gradients" in msg and "exceed" in msg
+    assert e.value.floor_bytes == floor(p, "total")
+
+
+def test_infeasible_message_names_the_peak():
+    p = stacked_program(2)
+    f = floor(p, "activations")
+    with pytest.raises(Infeasible) as e:
+        optimize(p, f - 1, "activations")
+    assert "smallest activation peak" in str(e.value) and e.value.floor_bytes == f
+
+
+# ------------------------------------------------------------------ properties
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(min_forward=2, max_forward=12), st.floats(0.2, 1.05), st.sampled_from(SCOPES))
+def test_random_programs_fit_or_infeasible(program, frac, scope):
+    budget = int(unoptimized_peak(program, scope) * frac)
+    try:
+        r = optimize(program, budget, scope, time_limit=20)
+    except Infeasible as e:
+        assert e.floor_bytes > budget
+        assert e.floor_bytes == floor(program, scope, time_limit=20)
+        return
+    check_plan(r, program, budget, scope)
+
+
+def test_keep_all_fits_means_no_recompute():
+    p = stacked_program(3)
+    top = unoptimized_peak(p, "total")
+    r = optimize(p, top, "total")
+    assert r.extra_flops == 0 and r.mode == "none"
+    check_plan(r, p, top, "total")
+
+
+def test_time_limit_still_returns_a_plan(stacked12):
+    p = stacked12
+    budget = int(unoptimized_peak(p, "activations") * 0.8)
+    r = optimize(p, budget, "activations", time_limit=1.0)
+    check_plan(r, p, budget, "activations")
+
+
+# ------------------------------------------------------------------ budgets
+
+
+def test_resolve_budget():
+    p = stacked_program(2)
+    top = unoptimized_peak(p, "activations")
+    assert resolve_budget(p, "123456", "activations") == 123456
+    assert resolve_budget(p, "800MB") == 800_000_000
+    assert resolve_budget(p, "1.5GiB") == int(1.5 * (1 << 30))
+    assert resolve_budget(p, "2 KiB") == 2048
+    assert resolve_budget(p, "0.5", "activations") == round(0.5 * top)
+    assert resolve_budget(p, "50%", "activations") == round(0.5 * top)
+    assert resolve_budget(p, 0.25, "activations") == round(0.25 * top)
+    with pytest.raises(ValueError):
+        resolve_budget(p, "lots")
+    with pytest.raises(ValueError):
+        resolve_budget(p, "3 parsecs")
+
+
+def test_unknown_solver():
+    with pytest.raises(ValueError, match="not installed"):
+        optimize(stacked_program(2), 10 ** 9, solver="NOSUCH")
+
+
+# ------------------------------------------------------------------ traced model
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiny():
+    trace = pytest.importorskip("remat_ir.trace")
+    if not hasattr(trace, "trace_builtin"):
+        pytest.skip("tracer not available")
+    return trace.trace_builtin("gpt2-tiny", fake=True)
+
+
+def test_gpt2_tiny(gpt2_tiny):
+    p = gpt2_tiny
+    scope = "activations"
+    top = unoptimized_peak(p, scope)
+    f = floor(p, scope, time_limit=30)
+    for frac in (0.8, 0.6):
+        budget = int(top * frac)
+        if budget < f:
+            continue
+        r = optimize(p, budget, scope, time_limit=30)
+        check_plan(r, p, budget, scope)
+        # dropout masks are updated in place: never recomputed
+        for ins in r.program.backward:
+            if ins.kind == "recompute":
+                assert not p.node_map()[ins.target].mutates

@@ -1,0 +1,101 @@
+"""Solve times of the optimizer on built-in models: a table.
+
+    .venv/bin/python tools/solve_times.py                       # gpt2-small and gpt2-medium, activations
+    .venv/bin/python tools/solve_times.py --models gpt2-tiny,gpt2-small --fractions 0.9,0.7,0.5 --scope total
+    .venv/bin/python tools/solve_times.py --gap --models gpt2-tiny --flat-limit 120
+
+Models are traced with fake tensors (nothing is allocated).  Every budget is
+solved cold (a fresh planner: the per-block option sets are recomputed), as
+a CLI invocation would.  Budgets are fractions of the unoptimized peak in the
+scope.  `--gap` also solves each budget with the flat MILP (no
+decomposition) and prints the decomposed plan's extra recompute next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from remat_ir import optimize as opt  # noqa: E402
+from remat_ir.optimize import Infeasible, fmt_bytes, floor, optimize, unoptimized_peak  # noqa: E402
+
+
+def cold():
+    opt._CACHE.clear()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2-small,gpt2-medium")
+    ap.add_argument("--fractions", default="0.7,0.5,0.3")
+    ap.add_argument("--scope", default="activations", choices=("activations", "total"))
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--solver", default="HIGHS")
+    ap.add_argument("--gap", action="store_true", help="compare with the flat MILP (slow)")
+    ap.add_argument("--flat-limit", type=float, default=120.0, help="time limit of each flat solve")
+    args = ap.parse_args(argv)
+
+    from remat_ir.trace import trace_builtin
+
+    fracs = [float(x) for x in args.fractions.split(",")]
+    header = (f"{'model':<12} {'budget':>6} {'bytes':>11} {'floor':>11} {'peak':>11} {'recompute':>10} "
+              f"{'seconds':>8} {'MILPs':>5} {'max gap':>8}  status")
+    if args.gap:
+        header += f"   {'flat recompute':>14} {'flat s':>7} {'flat gap':>8}"
+    rows = [header]
+    print(header, flush=True)
+    for model in args.models.split(","):
+        t0 = time.perf_counter()
+        p = trace_builtin(model, batch=args.batch, seq=args.seq, fake=True)
+        t_trace = time.perf_counter() - t0
+        top = unoptimized_peak(p, args.scope)
+        cold()
+        t0 = time.perf_counter()
+        f = floor(p, args.scope, time_limit=args.time_limit, solver=args.solver)
+        t_floor = time.perf_counter() - t0
+        line = (f"{model:<12} {'floor':>6} {'':>11} {fmt_bytes(f):>11} {'':>11} {'':>10} "
+                f"{t_floor:>8.1f} {'':>5} {'':>8}  trace {t_trace:.1f} s, "
+                f"{sum(n.phase == 'forward' for n in p.nodes)}/{len(p.nodes)} nodes, "
+                f"unoptimized {fmt_bytes(top)} ({args.scope}); floor = {f / top:.0%}")
+        print(line, flush=True)
+        rows.append(line)
+        for frac in fracs:
+            budget = int(top * frac)
+            cold()
+            t0 = time.perf_counter()
+            try:
+                r = optimize(p, budget, args.scope, time_limit=args.time_limit, solver=args.solver)
+                dt = time.perf_counter() - t0
+                gaps = [s.gap for s in r.solves if s.gap is not None]
+                line = (f"{model:<12} {frac:>6.2f} {fmt_bytes(budget):>11} {fmt_bytes(f):>11} "
+                        f"{fmt_bytes(r.predicted_peak):>11} {r.overhead:>9.2%} {dt:>8.1f} "
+                        f"{len(r.solves):>5} {max(gaps, default=0.0):>8.2%}  {r.mode}")
+            except Infeasible as e:
+                dt = time.perf_counter() - t0
+                r = None
+                line = (f"{model:<12} {frac:>6.2f} {fmt_bytes(budget):>11} {fmt_bytes(e.floor_bytes):>11} "
+                        f"{'-':>11} {'-':>10} {dt:>8.1f} {'':>5} {'':>8}  infeasible")
+            if args.gap:
+                cold()
+                t1 = time.perf_counter()
+                try:
+                    fl = optimize(p, budget, args.scope, time_limit=args.flat_limit, solver=args.solver,
+                                  decompose=False)
+                    st = fl.solves[-1] if fl.solves else None
+                    g = st.gap if st is not None and st.gap is not None else 0.0
+                    line += (f"   {fl.overhead:>14.2%} {time.perf_counter() - t1:>7.1f} {g:>8.2%}"
+                             + (f" ({st.status})" if st is not None and st.status != "optimal" else ""))
+                except Infeasible as e:
+                    line += f"   {'infeasible':>14} {time.perf_counter() - t1:>7.1f} floor {fmt_bytes(e.floor_bytes)}"
+            print(line, flush=True)
+            rows.append(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
