@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from . import ir
+from . import ir, ops  # noqa: F401 - ops registers remat.* ops that plans name
 from .ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 
 

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from . import ir
+from .ops import RANDOM_OPS, dropout_mask
 from .ir import (
     BACKWARD, BUFFER, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output,
     Program, Value,
@@ -185,8 +186,35 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
         for h in hooks:
             h.remove()
 
+    _fuse_dropout_masks(gm)
     return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                        loss_fn is not None, model_name)
+
+
+def _fuse_dropout_masks(gm) -> None:
+    """`empty_like(x) -> bernoulli_(p) -> div_(s)` (CPU dropout's mask) becomes
+    one `remat.dropout_mask(x, p, s)` node; see remat_ir/ops.py."""
+    aten = torch.ops.aten
+    g = gm.graph
+    for d in list(g.nodes):
+        if d.op != "call_function" or d.target is not aten.div_.Scalar or d.kwargs:
+            continue
+        b = d.args[0]
+        if not (isinstance(b, torch.fx.Node) and b.target is aten.bernoulli_.float and len(b.users) == 1
+                and not b.kwargs and len(b.args) == 2):
+            continue
+        e = b.args[0]
+        if not (isinstance(e, torch.fx.Node) and e.target is aten.empty_like.default and len(e.users) == 1
+                and len(e.args) == 1 and set(e.kwargs) <= {"memory_format"}
+                and e.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format):
+            continue
+        with g.inserting_before(d):
+            fused = g.call_function(dropout_mask, (e.args[0], b.args[1], d.args[1]))
+        fused.meta = dict(d.meta)
+        d.replace_all_uses_with(fused)
+        for n in (d, b, e):
+            g.erase_node(n)
+    g.lint()
 
 
 def _explain(e: Exception) -> TraceError:
@@ -503,7 +531,8 @@ def _op_string(op: torch._ops.OpOverload) -> str:
 
 
 def _is_random(op) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+    return isinstance(op, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in op.tags or op in RANDOM_OPS)
 
 
 def _mutated_indices(n) -> list[int]:
