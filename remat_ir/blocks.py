@@ -2,9 +2,10 @@
 and find repeated blocks by structural hashing.
 
 Segments are contiguous runs of forward nodes that ran in the same repeated
-module (the longest module-path prefix ending in a list index, e.g.
-``transformer.h.3``); the nodes in between (embedding, final norm, head,
-loss) form their own segments.  Two segments are the same block when their
+module (the module path up to its first list index, e.g. ``transformer.h.3``
+for ``transformer.h.3.attn.c_attn``); small runs in between (embedding,
+final norm, head, loss) join the neighbouring block, larger ones are their
+own segments.  Two segments are the same block when their
 node sequences hash equal: ops, operand structure (operands made inside the
 segment by position, operands from outside by order of first use and their
 shape), output shapes, sizes and aliasing, and the backward stages reading
@@ -18,16 +19,14 @@ consumes it last, so its bytes are counted once.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 
-from .family import UNIT, VIEW, Analysis
-
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+from .family import UNIT, Analysis
 
 
 def block_key(module: str) -> str | None:
-    """`transformer.h.3.attn.c_attn` -> `transformer.h.3`; None outside lists."""
+    """`transformer.h.3.attn.c_attn` -> `transformer.h.3` (up to the first
+    list index); None outside lists."""
     if not module:
         return None
     parts = module.split(".")

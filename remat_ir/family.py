@@ -16,6 +16,11 @@ backward, lazily:
   recompute of a consumer); a recomputed output that nothing reads is freed
   right after the recompute.
 
+The backward nodes keep their graph order, except zero-cost views of saved
+forward values (autograd's `detach` of saved tensors, traced at the start of
+backward), which move to just before their first reader: otherwise every
+saved value would be "needed" at the first backward step.
+
 A node is needed at the first stage that reads one of its outputs, so each
 dropped node is recomputed at most once.  Views cost nothing and own no
 memory: a view follows the keep/drop choice of the node owning its storage.
@@ -32,7 +37,7 @@ agree to the byte.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,7 +45,6 @@ from .ir import (
     BACKWARD, BUFFER, COMPUTE, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
     Instr, Program, node_inputs,
 )
-from .schedule import default_schedule
 from .simulate import ACTIVATIONS, TEMPORARIES, simulate
 
 NEVER = 1 << 40  # "no stage"

@@ -606,6 +606,8 @@ def solver_options(solver: str, time_limit: float) -> dict:
         return {"maximumSeconds": max(1, int(time_limit)), "allowableGap": 1e-6}
     if solver == "GLPK_MI":
         return {"tm_lim": int(time_limit * 1000)}
+    if solver == "SCIPY":
+        return {"scipy_options": {"time_limit": float(time_limit), "mip_rel_gap": 1e-6}}
     return {}
 
 
@@ -624,5 +626,9 @@ def mip_gap(problem, solver: str):
     return None
 
 
+MILP_SOLVERS = ("HIGHS", "SCIP", "CBC", "GLPK_MI", "SCIPY")
+
+
 def installed_solvers() -> list[str]:
-    return [s for s in ("HIGHS", "SCIP", "CBC", "GLPK_MI") if s in cp.installed_solvers()]
+    """The MILP backends cvxpy can use here."""
+    return [s for s in MILP_SOLVERS if s in cp.installed_solvers()]

@@ -14,17 +14,19 @@ decomposed (`blocks.py`): the forward graph is cut into segments along the
 model chain; repeated blocks are found by structural hashing and each
 distinct segment is solved once, for a range of targets, giving a Pareto set
 of options (bytes kept into backward, transient peak, recompute FLOPs); a
-small MILP then picks one option per segment along the chain.  Every plan
-is built into an explicit schedule and checked with `simulate()`; when the
-real peak exceeds the budget (the decomposition is approximate) the combine
-step is tightened and re-solved, and only plans that fit are returned.
+dynamic program along the chain (a small MILP when backward does not visit
+the segments in reverse order) picks one option per segment, and more
+options are added around the chosen ones while time remains.  Every plan is
+built into an explicit schedule and checked with `simulate()`; when the real
+peak exceeds the budget (the decomposition is approximate) the combine step
+is tightened and re-solved, and only plans that fit are returned.
 """
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
 import time
 import warnings
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import cvxpy as cp
@@ -34,12 +36,11 @@ import numpy as np
 from .blocks import Segment, segments
 from .family import Analysis, apply_plan, profile, simulated_peak
 from .ir import Budget, Program
-from .milp import KeepModel, SolveRecord, quiet_stdout, solver_options, mip_gap
+from .milp import KeepModel, SolveRecord, installed_solvers, mip_gap, quiet_stdout, solver_options
 from .schedule import default_schedule
 from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
 FLAT_MAX_DECISIONS = 16  # above this, decompose (when the graph has segments)
-MiB = 1 << 20
 
 
 class Infeasible(ValueError):
@@ -112,7 +113,7 @@ def resolve_budget(program: Program, text: str | int | float, scope: str = "tota
     num, unit = m.group(1), m.group(2).lower()
     if unit == "%":
         return int(round(float(num) / 100.0 * unoptimized_peak(program, scope)))
-    if unit == "" and ("." in num or "e" in num.lower()):
+    if unit == "" and "." in num and "e" not in num.lower():
         frac = float(num)
         if frac <= 0:
             raise ValueError(f"budget fraction must be positive, not {text!r}")
@@ -157,10 +158,14 @@ class Planner:
         self.segs = None
         self.flat_models: dict[str, object] = {}
         self.floor_plan: Plan | None = None
+        self.floor_proven = False  # the flat MILP proved the floor optimal
+        self.key = _cache_key(program)
         self.r_levels = 8
+        self.r_power = 1.0
         self.p_levels = 2
         self.refine_passes = 0  # coordinate descent; rarely helps once options are dense
         self.densify_rounds = 3
+        self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
         self.class_models: dict = {}
         self.solve_cap = 1.0  # seconds per option MILP: options need not be optimal
         self.local_models: dict = {}
@@ -205,6 +210,7 @@ class Planner:
         self.solves.append(rec)
         if kept is None:
             return None
+        self.floor_proven = rec.status == "optimal"
         return self.evaluate(kept)
 
     def flat_budget(self, budget: int, deadline: float) -> Plan | None:
@@ -300,7 +306,8 @@ class Planner:
 
         k_min, _ = run("retained", "min kept")
         r_min = retained(k_min) if k_min is not None else r_all
-        levels = list(np.linspace(r_min, r_all, self.r_levels + 1)[:-1])
+        # Denser near the smallest kept size, where tight budgets land.
+        levels = [r_min + (r_all - r_min) * (i / self.r_levels) ** self.r_power for i in range(self.r_levels)]
         for r in levels:
             if _left(deadline) <= 0:
                 break
@@ -400,9 +407,110 @@ class Planner:
                     final.append(o)
             self.options[s.index] = final
 
+    def _is_chain(self) -> bool:
+        """Backward visits the segments in reverse forward order, so what the
+        others hold during a segment (forward or backward) is exactly what the
+        segments before it keep: the combine is a dynamic program."""
+        if hasattr(self, "_chain"):
+            return self._chain
+        pos = {s.index: i for i, s in enumerate(self.segs)}
+        lo = {si: self.part[si][0] for si in self.part}
+        ok = True
+        for si in lo:
+            after = {j for j in lo if lo[j] > lo[si]}
+            before = {j for j in lo if pos[j] < pos[si]}
+            if after != before:
+                ok = False
+                break
+        self._chain = ok
+        return ok
+
+    def _start_const(self) -> float:
+        start = float(self.a.const_start)
+        if self.first_window > 0:
+            start = max(start, float(self.a.const_b[:self.first_window].max()))
+        return start
+
     def combine(self, budget: float | None, deadline: float, label: str):
-        """Pick one option per segment (a small MILP).  budget None: minimize
-        the modeled peak.  Returns (kept decision set, modeled peak) or None."""
+        """Pick one option per segment.  budget None: minimize the modeled
+        peak.  Returns (kept decision set, modeled peak, choice) or None."""
+        if self._is_chain():
+            return self.combine_dp(budget, label)
+        return self.combine_milp(budget, deadline, label)
+
+    def combine_dp(self, budget: float | None, label: str):
+        """Dynamic program along the chain.  State: bytes kept by the segments
+        so far (S); each segment's option must fit `S + max(forward,
+        backward transient) <= budget`.  The frontier keeps the Pareto-best
+        (S, FLOPs) states (with a budget) or (S, peak so far) (floor)."""
+        t0 = time.perf_counter()
+        segs = [s for s in self.segs if self.options.get(s.index)]
+        start = self._start_const()
+        front = [(0.0, 0.0, -1, -1)]  # (S, cost: FLOPs or peak, parent, option)
+        steps = []
+        for s in segs:
+            opts = self.options[s.index]
+            lims = [max(o["pf"], o["pb"]) if s.index in self.part else o["pf"] for o in opts]
+            cand = []
+            for pi, st in enumerate(front):
+                S, c = st[0], st[1]
+                for oi, o in enumerate(opts):
+                    need = S + lims[oi]
+                    if budget is None:
+                        cand.append((S + o["retained"], max(c, need), pi, oi, o["flops"]))
+                    elif need <= budget:
+                        cand.append((S + o["retained"], c + o["flops"], pi, oi, 0.0))
+            cand.sort(key=lambda t: (t[0], t[1], t[4]))
+            pruned, best = [], float("inf")
+            for t in cand:
+                if t[1] < best:
+                    pruned.append(t)
+                    best = t[1]
+            if len(pruned) > 20000:  # keep the frontier small: thin it evenly
+                step = len(pruned) / 20000.0
+                pruned = [pruned[int(i * step)] for i in range(20000)] + [pruned[-1]]
+            front = pruned
+            steps.append(front)
+            if not front:
+                break
+        ok = [(max(t[1], start + t[0]) if budget is None else t[1], i) for i, t in enumerate(front)
+              if budget is None or start + t[0] <= budget]
+        rec = SolveRecord(f"combine {label} (chain DP)", "optimal" if ok else "infeasible", None, 0.0,
+                          time.perf_counter() - t0, sum(len(self.options[s.index]) for s in segs), 0,
+                          len(segs))
+        if not ok or not front:
+            rec.status = "infeasible"
+            self.solves.append(rec)
+            if self.log:
+                self.log(f"  {rec.name}: infeasible, {rec.seconds:.2f} s")
+            return None
+        val, i = min(ok)
+        rec.objective = float(val)
+        self.solves.append(rec)
+        if self.log:
+            self.log(f"  {rec.name}: optimal, {rec.seconds:.2f} s (frontier {max(len(f) for f in steps)})")
+        choice = {}
+        for k in range(len(segs) - 1, -1, -1):
+            t = steps[k][i]
+            choice[segs[k].index] = self.options[segs[k].index][t[3]]
+            i = t[2]
+        modeled = self.modeled_peak(choice)
+        return self.kept_of(choice), modeled, choice
+
+    def modeled_peak(self, choice: dict) -> float:
+        pos = {s.index: i for i, s in enumerate(self.segs)}
+        lo = {si: self.part[si][0] for si in self.part}
+        peak = self._start_const() + sum(o["retained"] for o in choice.values())
+        for si, o in choice.items():
+            before = sum(choice[j]["retained"] for j in choice if pos[j] < pos[si])
+            peak = max(peak, o["pf"] + before)
+            if si in lo:
+                after = sum(choice[j]["retained"] for j in choice if j in lo and lo[j] > lo[si])
+                peak = max(peak, o["pb"] + after)
+        return float(peak)
+
+    def combine_milp(self, budget: float | None, deadline: float, label: str):
+        """Pick one option per segment with a small MILP (any window order)."""
         a = self.a
         segs = self.segs
         idx = []  # (segment, option)
@@ -440,9 +548,7 @@ class Planner:
                         r[c] = R[c]
                 rows.append(r)
                 consts.append(0.0)
-        start = float(a.const_start)
-        if self.first_window > 0:
-            start = max(start, float(a.const_b[:self.first_window].max()))
+        start = self._start_const()
         rows.append(R.copy())
         consts.append(start)
         A = np.array(rows)
@@ -468,7 +574,8 @@ class Planner:
         try:
             with quiet_stdout(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                prob.solve(solver=self.solver, **solver_options(self.solver, max(_left(deadline), 0.5)))
+                prob.solve(solver=self.solver,
+                           **solver_options(self.solver, min(max(_left(deadline), 0.5), self.combine_cap)))
             status = prob.status
             gap = mip_gap(prob, self.solver)
         except Exception as e:  # noqa: BLE001
@@ -660,9 +767,15 @@ def _left(deadline: float) -> float:
 _CACHE: list = []
 
 
+def _cache_key(program: Program) -> tuple:
+    h = program.header
+    return (len(program.values), len(program.nodes), len(program.outputs), h.optimizer_bytes)
+
+
 def _planner(program: Program, scope: str, solver: str, log, decompose) -> Planner:
     for pl in _CACHE:
-        if pl.program is program and pl.scope == scope and pl.solver == solver.upper() \
+        if pl.program is program and pl.key == _cache_key(program) and pl.scope == scope \
+                and pl.solver == solver.upper() \
                 and (decompose is None or pl.decompose == decompose):
             pl.log = log
             return pl
@@ -694,8 +807,13 @@ def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
             return Infeasible(msg, f, budget, scope)
     where = profile(pl.a, floor_plan.keep, range(len(pl.a.storages))).where
     what = "activation peak" if scope == "activations" else "total peak"
+    how = ""
+    if pl.decompose:
+        how = " (decomposed search: block inputs kept as checkpoints)"
+    elif not pl.floor_proven:
+        how = " (best found within the time limit)"
     msg = (f"budget {fmt_bytes(budget)} ({scope}) is below the floor: the smallest {what} this "
-           f"graph allows is {fmt_bytes(f)} (at {where}); asked {fmt_bytes(budget)}")
+           f"graph allows is {fmt_bytes(f)} (at {where}){how}; asked {fmt_bytes(budget)}")
     return Infeasible(msg, f, budget, scope)
 
 
@@ -716,9 +834,9 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
     deadline = t0 + time_limit
     budget = int(budget_bytes)
     solver = solver.upper()
-    if solver not in cp.installed_solvers():
+    if solver not in installed_solvers():
         raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
-                         f"{', '.join(s for s in ('HIGHS', 'SCIP', 'CBC', 'GLPK_MI') if s in cp.installed_solvers())}")
+                         f"{', '.join(installed_solvers())}")
     pl = _planner(program, scope, solver, log, decompose)
     n_solves = len(pl.solves)
     pl.say(f"optimize {program.header.model or 'program'}: budget {fmt_bytes(budget)} ({scope}), "
@@ -742,6 +860,8 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
                 raise _infeasible(pl, budget, fp)
             plan = fp
     out = apply_plan(pl.a, plan.keep, Budget(budget, scope))
+    # The result owns its graph: editing it must not change the input program.
+    out = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=Program)
     recomputed = [ins.target for ins in out.backward if ins.kind == "recompute"]
     return OptimizeResult(
         program=out, predicted_peak=int(plan.peak), extra_flops=float(plan.flops),

@@ -18,7 +18,7 @@ from programs import programs, random_program  # noqa: E402
 from remat_ir.family import Analysis, apply_plan, model_peak, simulated_peak  # noqa: E402
 from remat_ir.ir import (  # noqa: E402
     BACKWARD, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output, Program,
-    Ref, Seq, Value, contiguous_stride,
+    Ref, Value, contiguous_stride,
 )
 from remat_ir.optimize import (  # noqa: E402
     Infeasible, floor, optimize, resolve_budget, unoptimized_peak,
@@ -238,7 +238,7 @@ def test_decomposition_finds_repeated_blocks(stacked12):
 def test_decomposed_quality_vs_flat():
     """On a graph small enough for the flat MILP, the decomposed plan costs
     at most a little more (and never less: the flat MILP is exact)."""
-    p = stacked_program(6)
+    p = stacked_program(5)
     scope = "activations"
     top = unoptimized_peak(p, scope)
     for frac in (0.8, 0.6):
@@ -315,6 +315,7 @@ def test_resolve_budget():
     assert resolve_budget(p, "800MB") == 800_000_000
     assert resolve_budget(p, "1.5GiB") == int(1.5 * (1 << 30))
     assert resolve_budget(p, "2 KiB") == 2048
+    assert resolve_budget(p, "1e6") == 1_000_000
     assert resolve_budget(p, "0.5", "activations") == round(0.5 * top)
     assert resolve_budget(p, "50%", "activations") == round(0.5 * top)
     assert resolve_budget(p, 0.25, "activations") == round(0.25 * top)
@@ -355,3 +356,32 @@ def test_gpt2_tiny(gpt2_tiny):
         for ins in r.program.backward:
             if ins.kind == "recompute":
                 assert not p.node_map()[ins.target].mutates
+
+
+@pytest.mark.skipif("SCIPY" not in __import__("remat_ir.milp", fromlist=["x"]).installed_solvers(),
+                    reason="scipy MILP backend not installed")
+def test_other_solver_same_optimum():
+    for _, program in tiny_programs(4):
+        scope = "activations"
+        f = floor(program, scope, decompose=False)
+        a = optimize(program, f, scope, decompose=False)
+        b = optimize(program, f, scope, decompose=False, solver="SCIPY")
+        assert b.extra_flops == pytest.approx(a.extra_flops)
+        check_plan(b, program, f, scope)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.filter_too_much])
+@given(programs(min_forward=3, max_forward=10), st.integers(0, 1000), st.sampled_from(SCOPES))
+def test_brute_force_property(program, pick, scope):
+    from hypothesis import assume
+
+    assume(1 <= len(Analysis(program, scope).decisions()) <= 7)
+    plans = brute_force(program, scope)
+    best = min(p for p, _ in plans)
+    assert floor(program, scope, decompose=False) == best
+    distinct = sorted({p for p, _ in plans})
+    budget = distinct[pick % len(distinct)]
+    r = optimize(program, budget, scope, decompose=False)
+    assert r.extra_flops == pytest.approx(min(f for p, f in plans if p <= budget), rel=1e-9, abs=1e-9)
+    check_plan(r, program, budget, scope)
