@@ -25,7 +25,7 @@ OUT = os.path.join(ROOT, "schedules")
 PLANS = {
     "mlp": ("mlp", None),
     "gpt2-tiny": ("gpt2-tiny", None),
-    "gpt2-tiny.budget-0.5": ("gpt2-tiny", "0.5"),
+    "gpt2-tiny.budget-0.7": ("gpt2-tiny", "0.7"),
 }
 
 
