@@ -558,7 +558,7 @@ class Compiled:
         self.problem = cp.Problem(cp.Minimize(obj), cons)
 
     def solve(self, name: str, *, solver: str = "HIGHS", time_limit: float = 60.0,
-              warm: bool = False, log=None):
+              warm: bool = False, log=None, rel_gap: float = 1e-6):
         """Solve; returns (kept decisions or None, SolveRecord).  A solution is
         accepted only when every binary is integral (CBC may return the LP
         relaxation at a time limit)."""
@@ -570,7 +570,7 @@ class Compiled:
             with quiet_stdout(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.problem.solve(solver=solver, warm_start=warm,
-                                   **solver_options(solver, max(time_limit, 0.05)))
+                                   **solver_options(solver, max(time_limit, 0.05), rel_gap))
             status = self.problem.status
             objv = self.problem.value
             gap = mip_gap(self.problem, solver)
@@ -596,18 +596,19 @@ class Compiled:
         return keep, rec
 
 
-def solver_options(solver: str, time_limit: float) -> dict:
+def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6) -> dict:
+    """Time limit and relative optimality gap, in each backend's words."""
     solver = solver.upper()
     if solver == "HIGHS":
-        return {"time_limit": float(time_limit), "mip_rel_gap": 1e-6, "mip_abs_gap": 1e-9}
+        return {"time_limit": float(time_limit), "mip_rel_gap": rel_gap, "mip_abs_gap": 1e-9}
     if solver == "SCIP":
-        return {"scip_params": {"limits/time": float(time_limit), "limits/gap": 1e-6}}
+        return {"scip_params": {"limits/time": float(time_limit), "limits/gap": rel_gap}}
     if solver == "CBC":
-        return {"maximumSeconds": max(1, int(time_limit)), "allowableGap": 1e-6}
+        return {"maximumSeconds": max(1, int(time_limit))}
     if solver == "GLPK_MI":
-        return {"tm_lim": int(time_limit * 1000)}
+        return {"tm_lim": int(time_limit * 1000), "mip_gap": rel_gap}
     if solver == "SCIPY":
-        return {"scipy_options": {"time_limit": float(time_limit), "mip_rel_gap": 1e-6}}
+        return {"scipy_options": {"time_limit": float(time_limit), "mip_rel_gap": rel_gap}}
     return {}
 
 

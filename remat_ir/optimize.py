@@ -160,9 +160,13 @@ class Planner:
         self.floor_plan: Plan | None = None
         self.floor_proven = False  # the flat MILP proved the floor optimal
         self.key = _cache_key(program)
-        self.r_levels = 8
-        self.r_power = 1.0
-        self.p_levels = 2
+        self.r_levels = 5
+        self.r_power = 1.5
+        self.pk_levels = 4
+        self.option_gap = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
+        self.role_aware = False  # skip kept-size levels for the last segment, peak levels for the first
+        self.options_seconds = 12.0  # at most this long for the first option sets (all classes)
+        self.p_levels = 1
         self.refine_passes = 0  # coordinate descent; rarely helps once options are dense
         self.densify_rounds = 3
         self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
@@ -248,14 +252,22 @@ class Planner:
                  f"({time.perf_counter() - t0:.2f} s)")
         # Per class: Pareto options from the canonical instance.
         self.options: dict[int, list[dict]] = {}
-        n_cls = sum(1 for ss in classes.values() if ss[0].decisions)
+        budget_t = min(_left(deadline) * 0.5, self.options_seconds)
+        t_opts = time.perf_counter()
+        chain = self._is_chain()
+        dec_segs = [s.index for s in segs if s.decisions]
         for ci, (sig, inst) in enumerate(classes.items()):
             canon = inst[0]
             if not canon.decisions:
                 opts = [frozenset()]
             else:
-                share = max(_left(deadline) * 0.5 / max(n_cls, 1), 0.5)
-                opts = self._class_options(canon, time.perf_counter() + share)
+                left_t = budget_t - (time.perf_counter() - t_opts)
+                n_left = sum(1 for ss in list(classes.values())[ci:] if ss[0].decisions)
+                share = max(left_t / max(n_left, 1), 0.5)
+                idx = {s.index for s in inst}
+                r_axis = not (self.role_aware and chain) or any(i != dec_segs[-1] for i in idx)
+                p_axis = not (self.role_aware and chain) or any(i != dec_segs[0] for i in idx)
+                opts = self._class_options(canon, time.perf_counter() + share, r_axis=r_axis, p_axis=p_axis)
             self._evaluate_options(canon, inst, opts)
 
     def _class_model(self, canon: Segment) -> dict:
@@ -277,14 +289,18 @@ class Planner:
             c.B.value = float(B) if B is not None else 1e18
         c.Rcap.value = float(R) if R is not None else 1e18
         kept, rec = c.solve(f"{canon.name} {label}", solver=self.solver, time_limit=time_limit,
-                            log=self.log, warm=True)
+                            log=self.log, warm=True, rel_gap=self.option_gap)
         self.solves.append(rec)
         bval = float(c.B.value) if (objective == "peak" and c.B.value is not None) else None
         return kept, rec, bval
 
-    def _class_options(self, canon: Segment, deadline: float) -> list[frozenset]:
+    def _class_options(self, canon: Segment, deadline: float, *, r_axis: bool = True,
+                       p_axis: bool = True) -> list[frozenset]:
         """Kept-decision sets of the canonical instance: a Pareto set over
-        (bytes kept into backward, transient peak, recompute FLOPs)."""
+        (bytes kept into backward, transient peak, recompute FLOPs).
+        `r_axis`/`p_axis`: whether the kept size / the transient peak of this
+        class can matter to other segments (on a chain, the first segment's
+        peak and the last one's kept size hardly do)."""
         a = self.a
         # Two plans need no solve: keep everything, recompute everything.
         opts: list[frozenset] = [frozenset(canon.decisions), frozenset()]
@@ -294,26 +310,27 @@ class Planner:
             return profile(a, a.keep_of(others | set(k)), canon.storages, with_constants=False).retained
 
         r_all = retained(canon.decisions)
-        left = [1 + self.r_levels + 2 * self.p_levels]
+        r_levels = self.r_levels if r_axis else 0
+        pk_levels = self.pk_levels if p_axis else 0
+        left = [4 + r_levels + 2 * self.p_levels + pk_levels]
 
-        def run(objective, label, B=None, R=None):
-            tl = min(max(_left(deadline) / max(left[0], 1), 0.05), self.solve_cap)
-            left[0] = max(left[0] - 1, 1)
+        def run(objective, label, B=None, R=None, weight=1.0):
+            tl = min(max(weight * _left(deadline) / max(left[0], 1), 0.05), weight * self.solve_cap)
+            left[0] = max(left[0] - weight, 1)
             kept, rec, bval = self._solve_class(canon, objective, label, B=B, R=R, time_limit=tl)
             if kept is not None:
                 opts.append(frozenset(kept))
             return kept, bval
 
-        k_min, _ = run("retained", "min kept")
+        # The two extremes first, with more time: they decide the floor.
+        k_min, _ = run("retained", "min kept", weight=2.0)
         r_min = retained(k_min) if k_min is not None else r_all
-        # Denser near the smallest kept size, where tight budgets land.
-        levels = [r_min + (r_all - r_min) * (i / self.r_levels) ** self.r_power for i in range(self.r_levels)]
-        for r in levels:
-            if _left(deadline) <= 0:
-                break
-            run("flops", f"kept<={fmt_bytes(r)}", R=r + 0.5)
+        k_pk, p_min = run("peak", "min peak", weight=2.0)
+        p_all = self._local_peak(canon, frozenset(canon.decisions))
         # Lower-transient options for the smallest kept sizes: the least
         # peak, then the cheapest plan at that peak.
+        levels = [r_min + (r_all - r_min) * (i / max(r_levels, 1)) ** self.r_power
+                  for i in range(max(r_levels, 1))]
         for r in levels[:self.p_levels]:
             if _left(deadline) <= 0:
                 break
@@ -322,7 +339,32 @@ class Planner:
                 continue
             pcap = bval * (1 + 1e-6) + 4096
             run("flops", f"peak<={fmt_bytes(pcap)} kept<={fmt_bytes(r)}", B=pcap, R=r + 0.5)
+        # Then levels of kept size (peak free) and of transient peak (kept
+        # size free), interleaved so a short time limit samples both.
+        p_ok = k_pk is not None and p_min is not None and p_all > p_min + 1
+        for i in range(max(r_levels, pk_levels if p_ok else 0)):
+            if _left(deadline) <= 0:
+                break
+            if i < r_levels:
+                run("flops", f"kept<={fmt_bytes(levels[i])}", R=levels[i] + 0.5)
+            if p_ok and i < pk_levels:
+                pcap = p_min + (p_all - p_min) * (i / pk_levels) ** 1.5
+                run("flops", f"peak<={fmt_bytes(pcap)}", B=pcap * (1 + 1e-6) + 4096)
         return list(dict.fromkeys(opts))
+
+    def _local_peak(self, canon: Segment, kept: frozenset) -> float:
+        """The local peak of an option as the segment's MILP counts it."""
+        a = self.a
+        others = set(self.all_dec) - set(canon.decisions)
+        pr = profile(a, a.keep_of(others | set(kept)), canon.storages, with_constants=False)
+        lo, hi = canon.window
+        pb = 0.0
+        if hi >= lo:
+            js = np.arange(lo, hi + 1)
+            pb = float(max((a.const_b[js] + pr.live_b[js]).max(), (a.const_pre[js] + pr.live_q[js]).max()))
+        f0, f1 = canon.fwd_range
+        ts = np.arange(f0, f1 + 1)
+        return max(pb, float((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts]).max()))
 
     def densify(self, choice: dict, deadline: float) -> bool:
         """Add options next to the ones the combine chose (kept sizes halfway
@@ -679,8 +721,9 @@ class Planner:
         return choice
 
     def decomposed_budget(self, budget: int, deadline: float) -> Plan | None:
-        """The cheapest plan the combine (and a refinement pass) finds that
-        really fits."""
+        """The cheapest plan the combine finds that really fits (simulated),
+        improved with denser options around the chosen ones while time
+        remains."""
         self.prepare_segments(deadline)
         target = float(budget)
         best = None
@@ -712,7 +755,10 @@ class Planner:
             p2 = self.evaluate(kept)
             self.say(f"  denser: simulated {fmt_bytes(p2.peak)}, +{p2.flops / 1e9:.4g} GFLOP")
             if p2.peak <= budget and p2.flops < plan.flops:
+                gain = plan.flops - p2.flops
                 plan, choice = p2, ch2
+                if gain < 0.002 * plan.flops:
+                    break  # diminishing returns
             else:
                 break
         if self.refine_passes and plan.flops > 0 and _left(deadline) > 0.5:

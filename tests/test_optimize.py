@@ -225,6 +225,23 @@ def test_decomposed_plans_fit(stacked12):
         check_plan(r, p, f, scope)
 
 
+def test_combine_milp_when_not_a_chain(stacked12):
+    """The general combine (a MILP over per-segment options, used when
+    backward does not visit the segments in reverse order) gives a plan that
+    fits too."""
+    from remat_ir import optimize as opt
+
+    p = stacked_program(12)  # a fresh object: its own planner
+    budget = int(unoptimized_peak(p, "activations") * 0.7)
+    optimize(p, budget, "activations")
+    pl = opt._planner(p, "activations", "HIGHS", None, None)
+    pl._chain = False
+    pl.plans.clear()
+    milp = optimize(p, budget, "activations")
+    check_plan(milp, p, budget, "activations")
+    assert any("combine" in s.name and "DP" not in s.name for s in milp.solves)
+
+
 def test_decomposition_finds_repeated_blocks(stacked12):
     from remat_ir.blocks import segments
 
