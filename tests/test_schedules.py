@@ -42,4 +42,15 @@ def test_golden_plan_is_regenerated_identically(path):
     spec.loader.exec_module(mod)
     name = os.path.basename(path)[:-4]
     model, budget = mod.PLANS[name]
-    assert mod.build(model, budget) == text
+    fresh = mod.build(model, budget)
+    if budget is None:
+        assert fresh == text
+        return
+    # The MILP's time limits make an optimized plan's exact choices depend on
+    # machine speed: ask for the same budget and a sound plan, not the same text.
+    from remat_ir.text import parse_program
+
+    a, b = load_plan(path), parse_program(fresh)
+    assert a.header.budget == b.header.budget
+    assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
+    assert verify(b).ok
