@@ -38,13 +38,6 @@ def _resolve_op(name: str):
         raise PlanMismatch(f"unknown op {name} in this PyTorch build") from e
 
 
-class _Code:
-    """Straight-line Python for one piece of the schedule."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-
 class Executable:
     """A program compiled for execution: forward code and backward segments."""
 

@@ -1,7 +1,7 @@
 """Human-readable summaries of a plan's predicted memory."""
 from __future__ import annotations
 
-from .ir import BACKWARD, Program
+from .ir import Program
 from .simulate import CATEGORIES, STEP_CATEGORIES, MemoryReport
 
 
@@ -66,5 +66,3 @@ def _numel(shape) -> int:
         n *= d
     return n
 
-
-__all__ = ["human_bytes", "breakdown", "where", "BACKWARD"]
