@@ -41,6 +41,17 @@ from .schedule import default_schedule
 from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
 FLAT_MAX_DECISIONS = 16  # above this, decompose (when the graph has segments)
+# Up to this many decisions the flat MILP still finds good plans within a
+# minute, just not proven ones: it is tried where the decomposed search, which
+# keeps every block input, cannot go (budgets below its floor).
+FLAT_FALLBACK_DECISIONS = 64
+
+# "fast": each per-block option MILP stops after `Planner.solve_cap` seconds
+# with its incumbent, so the option sets (and the plan) can differ with
+# machine load.  "full": every option MILP runs to its gap tolerance; the plan
+# then depends only on the program and the budget (unless --time-limit stops
+# the whole solve first, which the solve records show).
+EFFORTS = ("fast", "full")
 
 
 class Infeasible(ValueError):
@@ -138,8 +149,11 @@ class Planner:
     """Everything about one program and scope that solves can share."""
 
     def __init__(self, program: Program, scope: str, *, solver: str = "HIGHS", log=None,
-                 decompose: bool | None = None):
+                 decompose: bool | None = None, effort: str = "fast"):
+        if effort not in EFFORTS:
+            raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
         self.program = program
+        self.effort = effort
         self.scope = scope
         self.solver = solver.upper()
         self.log = log
@@ -149,6 +163,8 @@ class Planner:
         a = self.a
         self.all_dec = a.decisions()
         self.base_flops = float(sum(n.flops for n in program.nodes))
+        self.requested = decompose
+        self.auto = decompose is None  # decompose=True asks for the decomposed search alone
         if decompose is None:
             decompose = len(self.all_dec) > FLAT_MAX_DECISIONS
             if decompose:
@@ -159,6 +175,7 @@ class Planner:
         self.flat_models: dict[str, object] = {}
         self.floor_plan: Plan | None = None
         self.floor_proven = False  # the flat MILP proved the floor optimal
+        self.flat_floor_tried = False
         self.key = _cache_key(program)
         self.r_levels = 5
         self.r_power = 1.5
@@ -210,6 +227,7 @@ class Planner:
 
     def flat_floor(self, deadline: float) -> Plan | None:
         c = self._flat("peak")
+        self.flat_floor_tried = True
         kept, rec = c.solve("flat floor", solver=self.solver, time_limit=_left(deadline), log=self.log)
         self.solves.append(rec)
         if kept is None:
@@ -252,7 +270,7 @@ class Planner:
                  f"({time.perf_counter() - t0:.2f} s)")
         # Per class: Pareto options from the canonical instance.
         self.options: dict[int, list[dict]] = {}
-        budget_t = min(_left(deadline) * 0.5, self.options_seconds)
+        budget_t = _left(deadline) if self.effort == "full" else min(_left(deadline) * 0.5, self.options_seconds)
         t_opts = time.perf_counter()
         chain = self._is_chain()
         dec_segs = [s.index for s in segs if s.decisions]
@@ -315,7 +333,10 @@ class Planner:
         left = [4 + r_levels + 2 * self.p_levels + pk_levels]
 
         def run(objective, label, B=None, R=None, weight=1.0):
-            tl = min(max(weight * _left(deadline) / max(left[0], 1), 0.05), weight * self.solve_cap)
+            if self.effort == "full":
+                tl = max(_left(deadline), 0.05)
+            else:
+                tl = min(max(weight * _left(deadline) / max(left[0], 1), 0.05), weight * self.solve_cap)
             left[0] = max(left[0] - weight, 1)
             kept, rec, bval = self._solve_class(canon, objective, label, B=B, R=R, time_limit=tl)
             if kept is not None:
@@ -351,6 +372,11 @@ class Planner:
                 pcap = p_min + (p_all - p_min) * (i / pk_levels) ** 1.5
                 run("flops", f"peak<={fmt_bytes(pcap)}", B=pcap * (1 + 1e-6) + 4096)
         return list(dict.fromkeys(opts))
+
+    def _option_limit(self, deadline: float) -> float:
+        if self.effort == "full":
+            return max(_left(deadline), 0.05)
+        return min(self.solve_cap, _left(deadline) / 4)
 
     def _local_peak(self, canon: Segment, kept: frozenset) -> float:
         """The local peak of an option as the segment's MILP counts it."""
@@ -389,7 +415,7 @@ class Planner:
                 if _left(deadline) <= 0.3:
                     break
                 kept, _, _ = self._solve_class(canon, "flops", f"kept<={fmt_bytes(c)}", R=c + 0.5,
-                                               time_limit=min(self.solve_cap, _left(deadline) / 4))
+                                               time_limit=self._option_limit(deadline))
                 if kept is not None:
                     new.append(frozenset(kept))
             if new:
@@ -794,14 +820,22 @@ class Planner:
 
     # ---- the floor
 
+    def flat_fallback(self, deadline: float) -> bool:
+        return (self.auto and self.decompose and len(self.all_dec) <= FLAT_FALLBACK_DECISIONS
+                and _left(deadline) > 1.0)
+
     def floor_plan_for(self, deadline: float) -> Plan:
         if self.floor_plan is None:
             plan = None
+            flat = None
             if not self.decompose:
                 plan = self.flat_floor(deadline)
             else:
                 plan = self.decomposed_floor(deadline)
-            cands = [p for p in (plan, self.keep_all(), self.evaluate(set())) if p is not None]
+                if self.flat_fallback(deadline):
+                    self.say("  the flat MILP may go below the decomposed floor: trying it")
+                    flat = self.flat_floor(deadline)
+            cands = [p for p in (plan, flat, self.keep_all(), self.evaluate(set())) if p is not None]
             self.floor_plan = min(cands, key=lambda p: (p.peak, p.flops))
         return self.floor_plan
 
@@ -818,14 +852,14 @@ def _cache_key(program: Program) -> tuple:
     return (len(program.values), len(program.nodes), len(program.outputs), h.optimizer_bytes)
 
 
-def _planner(program: Program, scope: str, solver: str, log, decompose) -> Planner:
+def _planner(program: Program, scope: str, solver: str, log, decompose, effort: str = "fast") -> Planner:
     for pl in _CACHE:
         if pl.program is program and pl.key == _cache_key(program) and pl.scope == scope \
-                and pl.solver == solver.upper() \
-                and (decompose is None or pl.decompose == decompose):
+                and pl.solver == solver.upper() and pl.effort == effort \
+                and pl.requested == decompose:
             pl.log = log
             return pl
-    pl = Planner(program, scope, solver=solver, log=log, decompose=decompose)
+    pl = Planner(program, scope, solver=solver, log=log, decompose=decompose, effort=effort)
     _CACHE.append(pl)
     del _CACHE[:-4]
     return pl
@@ -854,7 +888,7 @@ def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
     where = profile(pl.a, floor_plan.keep, range(len(pl.a.storages))).where
     what = "activation peak" if scope == "activations" else "total peak"
     how = ""
-    if pl.decompose:
+    if pl.decompose and not pl.flat_floor_tried:
         how = " (decomposed search: block inputs kept as checkpoints)"
     elif not pl.floor_proven:
         how = " (best found within the time limit)"
@@ -864,18 +898,21 @@ def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
 
 
 def floor(program: Program, scope: str = "total", *, time_limit: float = 60.0, solver: str = "HIGHS",
-          log=None, decompose: bool | None = None) -> int:
+          log=None, decompose: bool | None = None, effort: str = "fast") -> int:
     """The smallest peak (in `scope`, max of first step and steady state) of
     any plan this optimizer can produce for `program`."""
-    pl = _planner(program, scope, solver, log, decompose)
+    pl = _planner(program, scope, solver, log, decompose, effort)
     return pl.floor_plan_for(time.perf_counter() + time_limit).peak
 
 
 def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_limit: float = 60.0,
-             solver: str = "HIGHS", log=None, decompose: bool | None = None) -> OptimizeResult:
+             solver: str = "HIGHS", log=None, decompose: bool | None = None,
+             effort: str = "fast") -> OptimizeResult:
     """A plan for `program` whose simulated peak in `scope` fits `budget_bytes`
     (first step and steady state), with the least recompute FLOPs found
-    within `time_limit` seconds.  Raises `Infeasible` below the floor."""
+    within `time_limit` seconds.  Raises `Infeasible` below the floor.
+    `effort`: "fast" caps each per-block MILP at about a second; "full" solves
+    each to its gap tolerance, so the plan does not depend on machine speed."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     budget = int(budget_bytes)
@@ -883,7 +920,7 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
     if solver not in installed_solvers():
         raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
                          f"{', '.join(installed_solvers())}")
-    pl = _planner(program, scope, solver, log, decompose)
+    pl = _planner(program, scope, solver, log, decompose, effort)
     n_solves = len(pl.solves)
     pl.say(f"optimize {program.header.model or 'program'}: budget {fmt_bytes(budget)} ({scope}), "
            f"{pl.a.nf} forward / {pl.a.nb} backward nodes, {len(pl.all_dec)} decisions, "
@@ -896,6 +933,11 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
         mode = "decomposed" if pl.decompose else "flat"
         if pl.decompose:
             plan = pl.decomposed_budget(budget, deadline)
+            if plan is None and pl.flat_fallback(deadline):
+                pl.say("  the decomposed search found no plan: trying the flat MILP")
+                plan = pl.flat_budget(budget, deadline)
+                if plan is not None:
+                    mode = "flat"
         else:
             plan = pl.flat_budget(budget, deadline)
             if plan is not None and plan.peak > budget:  # never: the flat model is exact

@@ -208,21 +208,36 @@ def test_decomposed_plans_fit(stacked12):
     p = stacked12
     for scope in SCOPES:
         top = unoptimized_peak(p, scope)
-        f = floor(p, scope)
+        f = floor(p, scope, decompose=True)
         assert f <= top
         for frac in (0.9, 0.7, 0.5):
             budget = int(top * frac)
             if budget < f:
                 with pytest.raises(Infeasible) as e:
-                    optimize(p, budget, scope)
+                    optimize(p, budget, scope, decompose=True)
                 assert e.value.floor_bytes == f
                 continue
-            r = optimize(p, budget, scope)
+            r = optimize(p, budget, scope, decompose=True)
             assert r.mode in ("decomposed", "none")
             check_plan(r, p, budget, scope)
             assert all(s.status for s in r.solves)
-        r = optimize(p, f, scope)
+        r = optimize(p, f, scope, decompose=True)
         check_plan(r, p, f, scope)
+
+
+def test_flat_fallback_below_the_decomposed_floor(stacked12):
+    """Where the decomposed search (which keeps every block input) cannot go,
+    a small graph is handed to the flat MILP: the floor is the lower of the
+    two, and budgets between them get a plan."""
+    p = stacked12
+    scope = "activations"
+    f_dec = floor(p, scope, decompose=True)
+    f = floor(p, scope, time_limit=30)
+    assert f < f_dec  # a chain of 12: the flat MILP drops some block inputs
+    budget = (f + f_dec) // 2
+    r = optimize(p, budget, scope, time_limit=30)
+    assert r.mode == "flat"
+    check_plan(r, p, budget, scope)
 
 
 def test_combine_milp_when_not_a_chain(stacked12):

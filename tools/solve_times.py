@@ -3,12 +3,16 @@
     .venv/bin/python tools/solve_times.py                       # gpt2-small and gpt2-medium, activations
     .venv/bin/python tools/solve_times.py --models gpt2-tiny,gpt2-small --fractions 0.9,0.7,0.5 --scope total
     .venv/bin/python tools/solve_times.py --gap --models gpt2-tiny --flat-limit 120
+    .venv/bin/python tools/solve_times.py --models gpt2-tiny --effort full --repeat 3
 
 Models are traced with fake tensors (nothing is allocated).  Every budget is
 solved cold (a fresh planner: the per-block option sets are recomputed), as
 a CLI invocation would.  Budgets are fractions of the unoptimized peak in the
 scope.  `--gap` also solves each budget with the flat MILP (no
 decomposition) and prints the decomposed plan's extra recompute next to it.
+`--repeat N` solves each budget N times (cold) and prints every run's extra
+recompute: with `--effort fast` the per-block MILPs stop at time caps, so
+runs on a busy machine can differ; with `--effort full` they should not.
 
 Columns: `recompute` is the extra FLOPs over the step's FLOPs; `MILPs` the
 number of MILPs solved (per-block option MILPs are capped at 1 s each: they
@@ -43,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--solver", default="HIGHS")
+    ap.add_argument("--effort", default="fast", choices=("fast", "full"))
+    ap.add_argument("--repeat", type=int, default=1, help="solve each budget this many times")
     ap.add_argument("--gap", action="store_true", help="compare with the flat MILP (slow)")
     ap.add_argument("--flat-limit", type=float, default=120.0, help="time limit of each flat solve")
     args = ap.parse_args(argv)
@@ -63,7 +69,7 @@ def main(argv=None) -> int:
         top = unoptimized_peak(p, args.scope)
         cold()
         t0 = time.perf_counter()
-        f = floor(p, args.scope, time_limit=args.time_limit, solver=args.solver)
+        f = floor(p, args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
         t_floor = time.perf_counter() - t0
         line = (f"{model:<12} {'floor':>6} {'':>11} {fmt_bytes(f):>11} {'':>11} {'':>10} "
                 f"{t_floor:>8.1f} {'':>5} {'':>9}  trace {t_trace:.1f} s, "
@@ -76,13 +82,21 @@ def main(argv=None) -> int:
             cold()
             t0 = time.perf_counter()
             try:
-                r = optimize(p, budget, args.scope, time_limit=args.time_limit, solver=args.solver)
+                r = optimize(p, budget, args.scope, time_limit=args.time_limit, solver=args.solver,
+                             effort=args.effort)
                 dt = time.perf_counter() - t0
+                runs = [r.overhead]
+                for _ in range(args.repeat - 1):
+                    cold()
+                    runs.append(optimize(p, budget, args.scope, time_limit=args.time_limit,
+                                         solver=args.solver, effort=args.effort).overhead)
                 milps = [s for s in r.solves if "chain DP" not in s.name]
                 proven = sum(1 for s in milps if s.status == "optimal")
                 line = (f"{model:<12} {frac:>6.2f} {fmt_bytes(budget):>11} {fmt_bytes(f):>11} "
                         f"{fmt_bytes(r.predicted_peak):>11} {r.overhead:>9.2%} {dt:>8.1f} "
                         f"{len(milps):>5} {f'{proven}/{len(milps)}':>9}  {r.mode}")
+                if args.repeat > 1:
+                    line += "  runs: " + " ".join(f"{x:.3%}" for x in runs)
             except Infeasible as e:
                 dt = time.perf_counter() - t0
                 r = None
