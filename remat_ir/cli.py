@@ -74,9 +74,52 @@ def _compile_parser() -> argparse.ArgumentParser:
                                     "unoptimized peak in --scope")
     p.add_argument("--scope", default="total", choices=["total", "activations"])
     p.add_argument("--solver", default="HIGHS")
-    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per optimizer solve "
+                                                                    "(per budget with --pareto)")
+    p.add_argument("--effort", default="fast", choices=["fast", "full"],
+                   help="fast: each per-block MILP stops after about a second with its best plan, so "
+                        "plans can vary with machine load; full: each runs to optimality (slower; the "
+                        "same plan on every machine unless --time-limit stops it)")
+    p.add_argument("--cost", default="flops", choices=["flops", "profile"],
+                   help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
+                        "measured on --device (needs real tensors: not with --fake)")
+    p.add_argument("--profile-repeats", type=int, default=5, metavar="N",
+                   help="with --cost profile: timed runs per op (the median is kept)")
+    p.add_argument("--pareto", action="store_true",
+                   help="also optimize for budgets from the unoptimized peak down to the floor: print "
+                        "a table and plot predicted peak vs extra compute. The plan written is the "
+                        "one for --budget, or the unoptimized plan without --budget")
+    p.add_argument("--pareto-points", type=int, default=None, metavar="N",
+                   help=f"budgets in the sweep, both ends included (default {_PARETO_POINTS}); "
+                        "implies --pareto")
+    p.add_argument("--pareto-png", metavar="FILE",
+                   help="where to draw the sweep (default: next to -o, <stem>.pareto.png); implies --pareto")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+_PARETO_POINTS = 8
+
+
+def _pareto_png(args) -> str:
+    """Where the sweep's plot goes; refuses, before any work, a place it cannot be written."""
+    import os
+
+    if args.pareto_png:
+        path = args.pareto_png
+    else:
+        root, ext = os.path.splitext(args.output)
+        path = (root if ext == ".rir" else args.output) + ".pareto.png"
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise CliError(f"cannot write {path}: no directory {d}")
+    if os.path.isdir(path):
+        raise CliError(f"cannot write {path}: it is a directory")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise CliError("--pareto draws its plot with matplotlib: pip install matplotlib") from e
+    return path
 
 
 def _compile(argv) -> int:
@@ -86,6 +129,24 @@ def _compile(argv) -> int:
     from .text import save_plan, with_lines
     from .trace import trace_module
     from .verify import verify
+
+    if args.cost == "profile" and args.fake:
+        raise CliError("--cost profile times each op on real tensors, and --fake tensors have no data "
+                       "to run on: drop --fake, or use --cost flops")
+    if args.profile_repeats < 1:
+        raise CliError(f"--profile-repeats must be at least 1, not {args.profile_repeats}")
+    pareto = args.pareto or args.pareto_points is not None or args.pareto_png is not None
+    points = _PARETO_POINTS if args.pareto_points is None else args.pareto_points
+    if pareto and points < 2:
+        raise CliError(f"--pareto-points must be at least 2 (the unoptimized peak and the floor), not {points}")
+    png = _pareto_png(args) if pareto else None
+    if pareto or args.budget is not None:
+        from .milp import installed_solvers
+
+        if args.solver.upper() not in installed_solvers():
+            raise CliError(f"--solver {args.solver} is not installed; installed MILP solvers: "
+                           f"{', '.join(installed_solvers())}")
+    say = (lambda *a: None) if args.quiet else print
 
     t0 = time.perf_counter()
     model = load_model(args.model, batch=args.batch, seq=args.seq, device=args.device, fake=args.fake)
@@ -97,28 +158,72 @@ def _compile(argv) -> int:
     shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
     program.header.comment = [f"remat-ir plan: {model.name} ({shape})"]
     t_trace = time.perf_counter() - t0
-    solve_note = ""
-    if args.budget is not None:
-        from .optimize import optimize, resolve_budget
+    notes = []
+    if args.cost == "profile":
+        from .costs import ProfileError, profile_costs
 
-        budget = resolve_budget(program, args.budget, args.scope)
-        result = optimize(program, budget, args.scope, time_limit=args.time_limit, solver=args.solver)
+        t1 = time.perf_counter()
+        try:
+            program = profile_costs(program, model.module, model.inputs, repeats=args.profile_repeats)
+        except ProfileError as e:
+            raise CliError(str(e)) from e
+        program.header.comment.append(f"op costs: median of {args.profile_repeats} timed runs on "
+                                      f"{args.device}")
+        notes.append(f"profiled {len(program.nodes)} ops in {time.perf_counter() - t1:.1f} s")
+    # Parsed before the sweep so a mistyped budget fails in a second, not after it.
+    budget = None
+    if args.budget is not None:
+        from .optimize import resolve_budget
+
+        try:
+            budget = resolve_budget(program, args.budget, args.scope)
+        except ValueError as e:
+            raise CliError(f"--budget: {e}") from e
+    rows = None
+    if pareto:
+        from .pareto import format_columns, format_row, sweep, table_header
+
+        t1 = time.perf_counter()
+        say(table_header(program, args.scope))
+        say(format_columns())
+        # The same program object for every budget: the optimizer reuses its planner.
+        rows = sweep(program, args.scope, points=points, time_limit=args.time_limit, solver=args.solver,
+                     effort=args.effort,
+                     progress=lambda r: say(format_row(r)))
+        notes.append(f"swept {len(rows)} budgets in {time.perf_counter() - t1:.1f} s")
+    if budget is not None:
+        from .costs import overhead_text
+        from .optimize import optimize
+
+        result = optimize(program, budget, args.scope, time_limit=args.time_limit, solver=args.solver,
+                          effort=args.effort)
         program = result.program
-        solve_note = (f"optimized in {result.seconds:.1f} s: extra compute "
-                      f"{100 * result.extra_flops / max(result.base_flops, 1):.1f}%")
+        notes.append(f"optimized in {result.seconds:.1f} s: {overhead_text(program)}")
     verdict = verify(program)
     if not verdict.ok:
         msg = "\n".join(str(d) for d in verdict.errors[:20])
         raise CliError(f"internal error: the generated plan does not verify:\n{msg}", EXIT_FAIL)
+    if rows is not None:
+        from .pareto import plot
+
+        title = (f"{program.header.model or 'plan'}: predicted "
+                 f"{'activation' if args.scope == 'activations' else 'total'} peak vs extra compute")
+        try:
+            plot(rows, png, title=title, scope=args.scope)
+        except ValueError as e:
+            raise CliError(str(e)) from e
+        notes.append(f"wrote {png}")
     save_plan(program, args.output)
     if not args.quiet:
         from .report import breakdown
 
+        if rows is not None:
+            print()
         # Line numbers of the file just written, so the summary points into it.
         program = with_lines(program)
         verdict = verify(program)
         print(breakdown(program, verdict.report, verdict.report_first_step))
-        print(f"traced in {t_trace:.1f} s; wrote {args.output}" + (f"; {solve_note}" if solve_note else ""))
+        print("; ".join([f"traced in {t_trace:.1f} s", f"wrote {args.output}"] + notes))
     return EXIT_OK
 
 

@@ -100,6 +100,9 @@ class Analysis:
         self.scope = scope
         values = self.values = program.value_map()
         self.fwd = [n for n in program.nodes if n.phase == FORWARD]
+        # Cost of recomputing each forward node in the plan's cost model: FLOPs, or
+        # microseconds measured on the device (`remat-compile --cost profile`).
+        self.cost = [n.time_us if program.header.cost == "profile" else n.flops for n in self.fwd]
         self.bwd = _sink_views([n for n in program.nodes if n.phase == BACKWARD], self.fwd, values)
         nf, nb = self.nf, self.nb = len(self.fwd), len(self.bwd)
         self.fidx = {n.name: i for i, n in enumerate(self.fwd)}
@@ -392,7 +395,7 @@ class Analysis:
     def flops(self, keep: list[bool], f: dict[int, int] | None = None) -> float:
         if f is None:
             f = self.first_needs(keep)
-        return float(sum(self.fwd[i].flops for i in f))
+        return float(sum(self.cost[i] for i in f))
 
 
 # ---------------------------------------------------------------- builder

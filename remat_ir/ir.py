@@ -17,6 +17,10 @@ import msgspec
 
 FORMAT_VERSION = 1
 
+COST_FLOPS = "flops"
+COST_PROFILE = "profile"
+COST_MODELS = (COST_FLOPS, COST_PROFILE)
+
 # ---------------------------------------------------------------- arguments
 
 
@@ -99,6 +103,7 @@ class Node(msgspec.Struct, omit_defaults=True):
     random: bool = False  # draws from the RNG: a recompute must replay its state
     mutates: list[str] = []  # operands written in place
     flops: float = 0.0  # cost model: floating point operations
+    time_us: float = 0.0  # cost model: measured run time in microseconds (0: not measured)
 
 
 # ----------------------------------------------------------------- schedule
@@ -149,6 +154,9 @@ class Header(msgspec.Struct, omit_defaults=True):
     model: str = ""
     fingerprint: str = ""  # hash of parameter names, shapes, dtypes and of the graph
     device: str = "cpu"
+    # What the optimizer minimizes: "flops" (Node.flops) or "profile" (Node.time_us, measured
+    # on `device`).
+    cost: str = "flops"
     optimizer: str = "none"  # optimizer whose state the budget includes: none, sgd, adam
     optimizer_bytes: int = 0
     budget: Budget | None = None

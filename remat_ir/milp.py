@@ -451,10 +451,10 @@ class KeepModel:
         else:
             self.row(dict(ret), "ret")
 
-        # ---- objective: recompute FLOPs
+        # ---- objective: recompute cost (FLOPs, or measured time with --cost profile)
         obj: dict = {}
         for n in rec:
-            c = a.fwd[n].flops
+            c = a.cost[n]
             if c:
                 _add(obj, self.X(n, last_stage), float(c))
         self.obj = obj

@@ -35,7 +35,7 @@ import numpy as np
 
 from .blocks import Segment, segments
 from .family import Analysis, apply_plan, profile, simulated_peak
-from .ir import Budget, Program
+from .ir import COST_PROFILE, Budget, Program
 from .milp import KeepModel, SolveRecord, installed_solvers, mip_gap, quiet_stdout, solver_options
 from .schedule import default_schedule
 from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
@@ -162,7 +162,9 @@ class Planner:
         self.plans: dict[tuple, Plan] = {}
         a = self.a
         self.all_dec = a.decisions()
-        self.base_flops = float(sum(n.flops for n in program.nodes))
+        # The step's cost in the plan's cost model (FLOPs, or profiled microseconds).
+        profiled = program.header.cost == COST_PROFILE
+        self.base_flops = float(sum(n.time_us if profiled else n.flops for n in program.nodes))
         self.requested = decompose
         self.auto = decompose is None  # decompose=True asks for the decomposed search alone
         if decompose is None:

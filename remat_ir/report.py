@@ -53,6 +53,11 @@ def breakdown(program: Program, steady: MemoryReport, first: MemoryReport) -> st
         total = sum(n.flops for n in program.nodes)
         lines.append(f"  recomputed ops: {len(recomputes)}, extra compute {extra / 1e9:.3f} GFLOP "
                      f"({100 * extra / max(total, 1):.1f}% of the step)")
+        if program.header.cost == "profile":
+            t_extra = sum(nodes[i.target].time_us for i in recomputes)
+            t_total = sum(n.time_us for n in program.nodes)
+            lines.append(f"  profiled on {program.header.device}: +{t_extra / 1e3:.2f} ms of op time "
+                         f"({100 * t_extra / max(t_total, 1e-9):.1f}% of the step's {t_total / 1e3:.2f} ms)")
     if b is not None:
         used = max(steady.scope_peak(b.scope), first.scope_peak(b.scope))
         lines.append(f"  budget ({b.scope}): {human_bytes(b.bytes)}, predicted {human_bytes(used)}, "

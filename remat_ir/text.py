@@ -14,6 +14,7 @@ The grammar is `grammar/rir.lark` (installed as the package data of
     model "gpt2-tiny"
     fingerprint "9c1e47a2d0b3"
     device cpu
+    cost profile                                # what the optimizer minimizes (line absent: flops)
     optimizer adam 1024000 bytes                # 1000.0 KiB
     budget 3365000 bytes activations            # 3.21 MiB   (line absent: no budget)
     has_loss true
@@ -67,7 +68,8 @@ Rules of the text:
   what keeps the order exact.)
 * A node is named after its first output; `NODE: outputs = ...` names it
   otherwise.  Node attributes after the call: `module PATH`, `random`,
-  `mutates(a, b)`, `flops 1.5e6`.  Phase comes from the enclosing
+  `mutates(a, b)`, `flops 1.5e6`, `time_us 12.5` (measured; read by the
+  optimizer under `cost profile`).  Phase comes from the enclosing
   `graph forward` / `graph backward` block; blocks repeat when phases
   interleave.
 * Arguments: value names, ints, floats (repr), `inf`/`-inf`/`nan` (Special),
@@ -164,7 +166,7 @@ LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "spars
 MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format", "channels_last",
                             "channels_last_3d"})
 SPECIALS = ("inf", "-inf", "nan")
-HEADER_FIELDS = ("model", "fingerprint", "device", "optimizer", "budget", "has_loss", "output_spec")
+HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec")
 VALUE_DECL_KINDS = (ir.INPUT, ir.PARAM, ir.BUFFER, ir.TANGENT, VALUE)
 
 
@@ -320,6 +322,8 @@ class _Printer:
         emit(f"model {_quote(h.model)}")
         emit(f"fingerprint {_quote(h.fingerprint)}")
         emit(f"device {_word(h.device)}")
+        if h.cost != ir.COST_FLOPS:
+            emit(f"cost {h.cost}")
         emit(_comment(f"optimizer {_word(h.optimizer)} {int(h.optimizer_bytes)} bytes",
                       f"{human_bytes(h.optimizer_bytes)} of optimizer state" if h.optimizer_bytes else ""))
         if h.budget is not None:
@@ -422,6 +426,8 @@ class _Printer:
             line += " mutates(" + ", ".join(_ref(m) for m in n.mutates) + ")"
         if n.flops:
             line += f" flops {float(n.flops)!r}"
+        if n.time_us:
+            line += f" time_us {float(n.time_us)!r}"
         return line, size
 
 
@@ -767,6 +773,12 @@ def _make_builder_class():
         def device(self, c):
             return ("device", _wordval(c[0]))
 
+        def cost(self, c):
+            return ("cost", str(c[0]))
+
+        def cost_model(self, c):
+            return c[0]
+
         def optimizer(self, c):
             return ("optimizer", (_wordval(c[0]), int(c[1])))
 
@@ -930,6 +942,9 @@ def _make_builder_class():
 
         def flops(self, c):
             return ("flops", float(c[0]), c[0])
+
+        def time_us(self, c):
+            return ("time_us", float(c[0]), c[0])
 
         # -- schedule / outputs
         def forward(self, c):
@@ -1138,6 +1153,11 @@ class _FastReader:
                 fields.append((kw, self.string()))
             elif kw == "device":
                 fields.append((kw, self.word()))
+            elif kw == "cost":
+                model = self.keyword(*ir.COST_MODELS)
+                if model is None:
+                    raise _GiveUp
+                fields.append((kw, model))
             elif kw == "optimizer":
                 w = self.word()
                 n = self.int()
@@ -1318,7 +1338,7 @@ class _FastReader:
             self.expect(")")
         attrs = []
         while not self.end():
-            kw = self.keyword("module", "random", "mutates", "flops")
+            kw = self.keyword("module", "random", "mutates", "flops", "time_us")
             if kw == "module":
                 t = self.match(_NAME_RE, "NAME") or self.match(_STRING_RE, "STRING")
                 if t is None:
@@ -1333,11 +1353,11 @@ class _FastReader:
                     ms.append(self.ref())
                 self.expect(")")
                 attrs.append(("mutates", ms, ms[0]))
-            elif kw == "flops":
+            elif kw in ("flops", "time_us"):
                 t = self.match(_FLOAT_RE, "FLOAT") or self.match(_INT_RE, "INT")
                 if t is None:
                     raise _GiveUp
-                attrs.append(("flops", float(t), t))
+                attrs.append((kw, float(t), t))
             else:
                 raise _GiveUp
         return _make_node(name_tok, outs, op, op_t, items, attrs, refs)
@@ -1468,7 +1488,7 @@ def _assemble(parts) -> Program:
             module = ""
             random = False
             mutates: list[str] = []
-            flops = 0.0
+            flops = time_us = 0.0
             seen_attrs: set[str] = set()
             for kind, val, tok in rec.attrs:
                 if kind in seen_attrs:
@@ -1481,11 +1501,13 @@ def _assemble(parts) -> Program:
                 elif kind == "mutates":
                     mutates = [str(t) for t in val]
                     rec.refs.extend(val)
+                elif kind == "time_us":
+                    time_us = val
                 else:
                     flops = val
             nodes.append(Node(name=rec.name, op=rec.op, args=rec.args, kwargs=rec.kwargs, outputs=outs,
                               phase=rec.phase, module=module, random=random, mutates=mutates,
-                              flops=flops))
+                              flops=flops, time_us=time_us))
             for t in rec.refs:
                 if t not in where:
                     pending_outs.append((t, "arg"))

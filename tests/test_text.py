@@ -62,6 +62,7 @@ def programs(draw) -> Program:
         model=draw(any_text),
         fingerprint=draw(st.one_of(st.text("0123456789abcdef", max_size=12), any_text)),
         device=draw(st.one_of(st.sampled_from(["cpu", "cuda", "cuda:0"]), any_text)),
+        cost=draw(st.sampled_from(ir.COST_MODELS)),
         optimizer=draw(st.one_of(st.sampled_from(["none", "sgd", "adam"]), any_text)),
         optimizer_bytes=draw(small_int),
         budget=draw(st.one_of(st.none(), st.builds(Budget, small_int,
@@ -135,6 +136,7 @@ def programs(draw) -> Program:
             random=draw(st.booleans()),
             mutates=draw(st.lists(st.sampled_from(refs), max_size=2)),
             flops=draw(st.one_of(st.just(0.0), st.floats(min_value=0, max_value=1e18))),
+            time_us=draw(st.one_of(st.just(0.0), st.floats(min_value=0, max_value=1e9))),
         ))
     if draw(st.integers(min_value=0, max_value=4)) == 0:
         all_values = draw(st.permutations(values + produced_values))
@@ -301,6 +303,26 @@ def test_sample_text_reads_well():
     assert "  grad transformer.wte.weight = d.transformer.wte.weight" in t
     assert "dtype=torch.float32" in t
     assert strip_lines(parse_program(t)) == sample_program()
+
+
+def test_profiled_costs_print_and_read_back():
+    p = sample_program()
+    p.header.cost = ir.COST_PROFILE
+    p.nodes[1].time_us = 12.5
+    p.nodes[3].time_us = 3.0
+    t = format_program(p)
+    assert "\ndevice cpu\ncost profile\noptimizer adam" in t
+    assert "module transformer.drop random flops 16384.0 time_us 12.5" in t
+    q = parse_program(t)
+    assert strip_lines(q) == p
+    assert format_program(q) == t
+    assert text._assemble(text._lark_parse(t, "<t>")) == q
+    # `cost flops` is the default: not printed, but read when written.
+    assert "\ncost " not in format_program(sample_program())
+    flops_text = t.replace("cost profile", "cost flops")
+    assert parse_program(flops_text).header.cost == ir.COST_FLOPS
+    with pytest.raises(RirSyntaxError, match="profile"):
+        parse_program(t.replace("cost profile", "cost wallclock"), "p.rir")
 
 
 def test_interleaved_phases_and_order_fallback():
