@@ -417,3 +417,21 @@ def test_brute_force_property(program, pick, scope):
     r = optimize(program, budget, scope, decompose=False)
     assert r.extra_flops == pytest.approx(min(f for p, f in plans if p <= budget), rel=1e-9, abs=1e-9)
     check_plan(r, program, budget, scope)
+
+
+def test_full_effort_is_reproducible():
+    """effort="full" solves every per-block MILP to its gap tolerance, so two
+    cold solves give the same plan whatever the machine is doing."""
+    from remat_ir import optimize as opt
+    from remat_ir.text import format_program
+
+    plans = []
+    for _ in range(2):
+        p = stacked_program(12)  # a fresh object each time: a cold planner
+        opt._CACHE.clear()
+        budget = int(unoptimized_peak(p, "activations") * 0.6)
+        r = optimize(p, budget, "activations", effort="full", decompose=True)
+        check_plan(r, p, budget, "activations")
+        assert all(s.status == "optimal" for s in r.solves if "DP" not in s.name)
+        plans.append(format_program(r.program))
+    assert plans[0] == plans[1]
