@@ -148,6 +148,7 @@ class Prepared:
     predicted_act: int | None = None
     extra: str = ""  # a short note for the table (extra compute, ...)
     program: object = None
+    result: object = None  # remat-ir: the optimizer's OptimizeResult (what it recomputes, ...)
 
 
 @dataclass
@@ -351,14 +352,16 @@ def prep_compile(ctx: Context, budget: float) -> Prepared:
     return Prepared(m, step)
 
 
-def prep_remat(ctx: Context, budget: str | None) -> Prepared:
-    """`budget`: None (unoptimized plan), a fraction string, or "floor"."""
+def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
+    """`budget` (activation scope): None (unoptimized plan), a fraction string,
+    bytes (int), or "floor"."""
     from .interpret import wrap
     from .simulate import simulate
 
     program = ctx.program()
     setup = 0.0
     extra = ""
+    res = None
     if budget is not None:
         opt = ctx.optimizer_api()
         scope = "activations"
@@ -394,7 +397,7 @@ def prep_remat(ctx: Context, budget: str | None) -> Prepared:
         return loss.detach()
 
     return Prepared(m, step, setup_s=setup, predicted_total=rep.peak_bytes,
-                    predicted_act=rep.activation_peak_bytes, extra=extra, program=program)
+                    predicted_act=rep.activation_peak_bytes, extra=extra, program=program, result=res)
 
 
 @dataclass
@@ -786,6 +789,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_args(**overrides) -> argparse.Namespace:
+    """remat-bench's options with its defaults, for scripts that build a
+    `Context` themselves; unknown option names are refused."""
+    args = build_parser().parse_args([])
+    for k, v in overrides.items():
+        if not hasattr(args, k):
+            raise TypeError(f"remat-bench has no option {k!r}")
+        setattr(args, k, v)
+    return args
+
+
+def apply_threads(args) -> None:
+    """Set torch's intra-op threads as remat-bench does (`--threads` help)."""
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def main(argv=None) -> int:
     threads = torch.get_num_threads()
     try:
@@ -806,10 +828,7 @@ def _main(argv) -> int:
             raise ValueError("--device cuda, but no CUDA device is available")
         if args.steps < 1:
             raise ValueError("--steps must be at least 1")
-        if args.threads is None and args.device == "cpu":
-            args.threads = 1
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        apply_threads(args)
         t_start = time.perf_counter()
         ctx = Context(args)
     except Exception as e:  # noqa: BLE001 - bad input: one line
@@ -823,7 +842,7 @@ def _main(argv) -> int:
         dynamo.reset()
     # The reference: eager's gradients after a first step from .grad = None.
     try:
-        ref = _eager_reference(ctx)
+        ref = eager_reference(ctx)
     except Exception as e:  # noqa: BLE001
         print(f"remat-bench: error: the eager step fails: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAIL
@@ -870,7 +889,9 @@ def write_json(ctx: Context, rows: list[Row], wall: float, path: str) -> None:
         json.dump(out, f, indent=1)
 
 
-def _eager_reference(ctx: Context) -> list:
+def eager_reference(ctx: Context) -> list:
+    """Eager gradients after a first step from `.grad = None` with the run's
+    seed: what `measure` compares every method's first step with."""
     m = ctx.fresh()
     torch.manual_seed(ctx.args.seed)
     loss = ctx.eager_loss(m)

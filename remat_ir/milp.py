@@ -590,6 +590,10 @@ class Compiled:
         except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
             status = f"error: {type(e).__name__}: {str(e)[:80]}"
         ok = status in ("optimal", "optimal_inaccurate", "user_limit")
+        if ok and status == "user_limit" and not has_solution(self.problem, solver):
+            # Stopped by the time limit before any incumbent: the values cvxpy
+            # reports are not a plan.
+            ok, status = False, "user_limit (no solution)"
         if ok and m.ny == 0:
             keep = set()
         elif ok and self.y.value is not None:
@@ -621,6 +625,18 @@ def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6) -> dic
     if solver == "SCIPY":
         return {"scipy_options": {"time_limit": float(time_limit), "mip_rel_gap": rel_gap}}
     return {}
+
+
+def has_solution(problem, solver: str) -> bool:
+    """Whether a stopped solve holds a feasible point (HiGHS says; for other
+    backends the caller's own feasibility checks decide)."""
+    try:
+        info = problem.solver_stats.extra_stats
+        if solver.upper() == "HIGHS" and info is not None:
+            return int(info.primal_solution_status) == 2  # kSolutionStatusFeasible
+    except Exception:  # noqa: BLE001 - best effort: fall back to the caller's checks
+        pass
+    return True
 
 
 def mip_gap(problem, solver: str):

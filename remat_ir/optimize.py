@@ -36,7 +36,7 @@ import numpy as np
 from .blocks import Segment, segments
 from .family import Analysis, apply_plan, profile, simulated_peak
 from .ir import COST_PROFILE, Budget, Program
-from .milp import KeepModel, SolveRecord, installed_solvers, mip_gap, quiet_stdout, solver_options
+from .milp import KeepModel, SolveRecord, has_solution, installed_solvers, mip_gap, quiet_stdout, solver_options
 from .schedule import default_schedule
 from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
@@ -656,7 +656,8 @@ class Planner:
         if self.log:
             g = "-" if gap is None else f"{gap:.2%}"
             self.log(f"  MILP {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
-        if status not in ("optimal", "optimal_inaccurate", "user_limit") or z.value is None:
+        if status not in ("optimal", "optimal_inaccurate", "user_limit") or z.value is None \
+                or not has_solution(prob, self.solver):
             return None
         zv = np.asarray(z.value)
         if np.any(np.abs(zv - np.round(zv)) > 1e-4):
@@ -938,11 +939,13 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
             if plan is None and pl.flat_fallback(deadline):
                 pl.say("  the decomposed search found no plan: trying the flat MILP")
                 plan = pl.flat_budget(budget, deadline)
-                if plan is not None:
+                if plan is not None and plan.peak <= budget:
                     mode = "flat"
+                else:
+                    plan = None
         else:
             plan = pl.flat_budget(budget, deadline)
-            if plan is not None and plan.peak > budget:  # never: the flat model is exact
+            if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
                 plan = None
         if plan is None:
             fp = pl.floor_plan_for(max(deadline, time.perf_counter() + 5.0))

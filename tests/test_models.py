@@ -31,14 +31,15 @@ class _OpRecorder(TorchDispatchMode):
 
 
 def test_builtin_names_and_description():
-    for name in ["mlp", "gpt2-tiny", "gpt2-mid", "gpt2-small", "gpt2-medium", "gpt2-large"]:
+    for name in ["mlp", "gpt2-tiny", "gpt2-mid", "gpt2-mid8", "gpt2-small", "gpt2-medium", "gpt2-large"]:
         assert name in BUILTINS
         assert name in describe_builtins()
     with pytest.raises(KeyError):
         build_builtin("gpt5")
 
 
-@pytest.mark.parametrize("name,shape", [("gpt2-tiny", (2, 64)), ("gpt2-mid", (4, 128))])
+@pytest.mark.parametrize("name,shape", [("gpt2-tiny", (2, 64)), ("gpt2-mid", (4, 128)),
+                                        ("gpt2-mid8", (4, 128))])
 def test_gpt_inputs_default_shapes(name, shape):
     model, (idx, targets) = build_builtin(name)
     assert isinstance(model, GPT) and model.training

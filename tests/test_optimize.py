@@ -435,3 +435,18 @@ def test_full_effort_is_reproducible():
         assert all(s.status == "optimal" for s in r.solves if "DP" not in s.name)
         plans.append(format_program(r.program))
     assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("decompose", [False, None])
+def test_time_limit_without_a_solution_is_not_a_plan(decompose):
+    """A MILP stopped before any incumbent reports values that are not a plan:
+    the optimizer must refuse (Infeasible) rather than return them."""
+    p = stacked_program(12)
+    budget = int(unoptimized_peak(p, "activations") * 0.5)
+    for tl in (0.01, 0.2):
+        try:
+            r = optimize(p, budget, "activations", time_limit=tl, decompose=decompose)
+        except Infeasible as e:
+            assert e.floor_bytes > budget
+            continue
+        check_plan(r, p, budget, "activations")

@@ -37,6 +37,11 @@ BUILTINS: dict[str, BuiltinSpec] = {
                              gpt=GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=1024, block_size=64)),
     "gpt2-mid": BuiltinSpec("gpt", 4, 128, "GPT 4 layers, d=256, 4 heads, vocab 8192, block 128",
                             gpt=GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=8192, block_size=128)),
+    # Deep enough that checkpointing every block gets under half the activation
+    # peak (the LM head and loss, ~50 MiB, dominate gpt2-mid's), so a 0.5 budget
+    # is feasible and comparable with torch.utils.checkpoint.
+    "gpt2-mid8": BuiltinSpec("gpt", 4, 128, "GPT 8 layers, d=256, 4 heads, vocab 8192, block 128",
+                             gpt=GPTConfig(n_layer=8, n_head=4, n_embd=256, vocab_size=8192, block_size=128)),
     "gpt2-small": BuiltinSpec("gpt", 4, 512, "GPT-2 small: 12 layers, d=768, 12 heads (124 M params)",
                               gpt=GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)),
     "gpt2-medium": BuiltinSpec("gpt", 4, 512, "GPT-2 medium: 24 layers, d=1024, 16 heads (355 M params)",
