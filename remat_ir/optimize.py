@@ -187,6 +187,7 @@ class Planner:
         self.options_seconds = 12.0  # at most this long for the first option sets (all classes)
         self.p_levels = 1
         self.refine_passes = 0  # coordinate descent; rarely helps once options are dense
+        self.fit_per_class = {"fast": 3, "full": 8}  # peak-capped options per class (fit_options)
         self.densify_rounds = 3
         self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
         self.class_models: dict = {}
@@ -427,6 +428,47 @@ class Planner:
                 added = added or after != before
         return added
 
+    def fit_options(self, budget: float, deadline: float) -> bool:
+        """Options cut to the room the chain leaves each segment.  The first
+        option sets sample kept size and transient peak on fixed levels; the
+        cheapest plan often pairs a segment's cheaper, larger-peak option
+        with smaller kept sizes before it.  The chain DP's frontier before
+        each segment lists the kept sizes S that can precede it, so solve each
+        class again with its peak capped at budget - S (a few such S per
+        class, spread over the frontier).  Returns whether any option was
+        added."""
+        if not self._is_chain() or getattr(self, "_dp_steps", None) is None:
+            return False
+        segs_dp, steps = self._dp_steps
+        per_class = self.fit_per_class[self.effort]
+        caps: dict[str, set] = {}
+        for k, s in enumerate(segs_dp):
+            if not s.decisions or k >= len(steps) + 1:
+                continue
+            prefixes = {0.0} if k == 0 else {float(t[0]) for t in steps[k - 1]}
+            caps.setdefault(s.signature, set()).update(budget - S for S in prefixes if S < budget)
+        added = False
+        for sig, cs in caps.items():
+            inst = self.classes[sig]
+            canon = inst[0]
+            cs = sorted(cs)
+            if len(cs) > per_class:
+                cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
+            new = []
+            for cap in dict.fromkeys(cs):
+                if _left(deadline) <= 0.5:
+                    break
+                kept, _, _ = self._solve_class(canon, "flops", f"peak<={fmt_bytes(cap)} (room)",
+                                               B=cap, time_limit=self._option_limit(deadline))
+                if kept is not None:
+                    new.append(frozenset(kept))
+            if new:
+                before = {o["kept"] for s in inst for o in self.options[s.index]}
+                self._evaluate_options(canon, inst, new)
+                after = {o["kept"] for s in inst for o in self.options[s.index]}
+                added = added or after != before
+        return added
+
     def _evaluate_options(self, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
         a = self.a
         others = set(self.all_dec) - set(canon.decisions)
@@ -543,6 +585,7 @@ class Planner:
             steps.append(front)
             if not front:
                 break
+        self._dp_steps = (segs, steps)
         ok = [(max(t[1], start + t[0]) if budget is None else t[1], i) for i, t in enumerate(front)
               if budget is None or start + t[0] <= budget]
         rec = SolveRecord(f"combine {label} (chain DP)", "optimal" if ok else "infeasible", None, 0.0,
@@ -790,6 +833,14 @@ class Planner:
                     break  # diminishing returns
             else:
                 break
+        if plan.flops > 0 and _left(deadline) > 1.0 and self.fit_options(budget, deadline):
+            got = self.combine(target, deadline, f"{fmt_bytes(budget)} (options fitted to the room)")
+            if got is not None:
+                kept, modeled, ch2 = got
+                p2 = self.evaluate(kept)
+                self.say(f"  fitted: simulated {fmt_bytes(p2.peak)}, +{p2.flops / 1e9:.4g} GFLOP")
+                if p2.peak <= budget and p2.flops < plan.flops:
+                    plan, choice = p2, ch2
         if self.refine_passes and plan.flops > 0 and _left(deadline) > 0.5:
             for _ in range(self.refine_passes):
                 new = self.refine(choice, target, deadline)
