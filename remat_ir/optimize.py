@@ -187,7 +187,9 @@ class Planner:
         self.options_seconds = 12.0  # at most this long for the first option sets (all classes)
         self.p_levels = 1
         self.refine_passes = 0  # coordinate descent; rarely helps once options are dense
-        self.fit_per_class = {"fast": 3, "full": 8}  # peak-capped options per class (fit_options)
+        # Peak-capped options per class (fit_options); 2^k + 1 spreads nest, so
+        # "full" tries every cap "fast" does.
+        self.fit_per_class = {"fast": 3, "full": 9}
         self.densify_rounds = 3
         self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
         self.class_models: dict = {}

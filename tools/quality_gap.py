@@ -1,0 +1,83 @@
+"""The decomposed optimizer against the flat MILP, on graphs small enough for
+the flat MILP to prove its optimum: a table of extra recompute.
+
+    .venv/bin/python tools/quality_gap.py [--flat-limit 300]
+
+Models: `gpt2-tiny` (2 blocks, dropout on) and the same GPT without dropout
+(fewer ops, so the flat MILP proves more budgets).  Budgets are fractions of
+the unoptimized activation peak.  Each cell is one cold solve: the decomposed
+search with `effort="fast"` (per-block MILPs capped at about a second, so a
+busy machine can change it) and `effort="full"` (every per-block MILP to
+optimality: reproducible), and the flat MILP (`decompose=False`) with its
+status and optimality gap at `--flat-limit`.  The flat MILP is exact: where
+it says optimal, no plan of the family recomputes less.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from remat_ir import optimize as opt  # noqa: E402
+from remat_ir.models import GPT, GPTConfig  # noqa: E402
+from remat_ir.optimize import Infeasible, optimize, resolve_budget  # noqa: E402
+from remat_ir.trace import trace_builtin, trace_module  # noqa: E402
+
+
+def gpt_no_dropout():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=1024, block_size=64, dropout=0.0)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 1024, (2, 64), generator=gen)
+    tg = torch.randint(0, 1024, (2, 64), generator=gen)
+    return trace_module(GPT(cfg), (idx, tg), model_name="gpt2-tiny, dropout 0")
+
+
+def solve(p, budget, **kw):
+    opt._CACHE.clear()
+    t0 = time.perf_counter()
+    try:
+        r = optimize(p, budget, "activations", **kw)
+    except Infeasible:
+        return None, time.perf_counter() - t0
+    return r, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flat-limit", type=float, default=300.0, help="time limit of each flat solve")
+    ap.add_argument("--time-limit", type=float, default=600.0, help="time limit of each decomposed solve")
+    args = ap.parse_args(argv)
+    cases = [("gpt2-tiny", lambda: trace_builtin("gpt2-tiny", fake=True), (0.7, 0.6, 0.5)),
+             ("gpt2-tiny, dropout 0", gpt_no_dropout, (0.7, 0.6))]
+    print("| model | budget | decomposed, fast | decomposed, full | flat MILP | full vs flat |")
+    print("|---|---|---|---|---|---|")
+    for name, make, fracs in cases:
+        p = make()
+        for frac in fracs:
+            budget = resolve_budget(p, frac, "activations")
+            cells = []
+            for effort in ("fast", "full"):
+                r, dt = solve(p, budget, effort=effort, decompose=True, time_limit=args.time_limit)
+                cells.append("refused" if r is None else f"{r.overhead:.3%} ({dt:.0f} s)")
+                if effort == "full":
+                    full = r
+            fl, dt = solve(p, budget, decompose=False, time_limit=args.flat_limit)
+            if fl is None:
+                flat_cell, rel = f"refused ({dt:.0f} s)", "-"
+            else:
+                st = fl.solves[-1]
+                how = "optimal" if st.status == "optimal" else f"{st.status}, gap {st.gap:.0%}"
+                flat_cell = f"{fl.overhead:.3%} ({how}, {dt:.0f} s)"
+                rel = "-" if full is None or fl.extra_flops == 0 else f"{full.extra_flops / fl.extra_flops - 1:+.1%}"
+            print(f"| {name} | {frac} | {cells[0]} | {cells[1]} | {flat_cell} | {rel} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
