@@ -190,6 +190,7 @@ class Planner:
         # Peak-capped options per class (fit_options); 2^k + 1 spreads nest, so
         # "full" tries every cap "fast" does.
         self.fit_per_class = {"fast": 3, "full": 9}
+        self.fallback_cap = 15.0  # seconds for each flat MILP below the decomposed floor (effort "fast")
         self.densify_rounds = 3
         self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
         self.class_models: dict = {}
@@ -876,6 +877,13 @@ class Planner:
 
     # ---- the floor
 
+    def _fallback_deadline(self, deadline: float) -> float:
+        # The flat MILP rarely proves these graphs optimal: with effort "fast"
+        # it gets a bounded share of the time, not all that is left.
+        if self.effort == "full":
+            return deadline
+        return min(deadline, time.perf_counter() + self.fallback_cap)
+
     def flat_fallback(self, deadline: float) -> bool:
         return (self.auto and self.decompose and len(self.all_dec) <= FLAT_FALLBACK_DECISIONS
                 and _left(deadline) > 1.0)
@@ -890,7 +898,7 @@ class Planner:
                 plan = self.decomposed_floor(deadline)
                 if self.flat_fallback(deadline):
                     self.say("  the flat MILP may go below the decomposed floor: trying it")
-                    flat = self.flat_floor(deadline)
+                    flat = self.flat_floor(self._fallback_deadline(deadline))
             cands = [p for p in (plan, flat, self.keep_all(), self.evaluate(set())) if p is not None]
             self.floor_plan = min(cands, key=lambda p: (p.peak, p.flops))
         return self.floor_plan
@@ -991,7 +999,7 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
             plan = pl.decomposed_budget(budget, deadline)
             if plan is None and pl.flat_fallback(deadline):
                 pl.say("  the decomposed search found no plan: trying the flat MILP")
-                plan = pl.flat_budget(budget, deadline)
+                plan = pl.flat_budget(budget, pl._fallback_deadline(deadline))
                 if plan is not None and plan.peak <= budget:
                     mode = "flat"
                 else:
