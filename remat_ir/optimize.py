@@ -178,6 +178,7 @@ class Planner:
         self.floor_plan: Plan | None = None
         self.floor_proven = False  # the flat MILP proved the floor optimal
         self.flat_floor_tried = False
+        self.floor_mode = "flat"  # which search found the floor plan
         self.key = _cache_key(program)
         self.r_levels = 5
         self.r_power = 1.5
@@ -901,6 +902,7 @@ class Planner:
                     flat = self.flat_floor(self._fallback_deadline(deadline))
             cands = [p for p in (plan, flat, self.keep_all(), self.evaluate(set())) if p is not None]
             self.floor_plan = min(cands, key=lambda p: (p.peak, p.flops))
+            self.floor_mode = "flat" if (flat is self.floor_plan or not self.decompose) else "decomposed"
         return self.floor_plan
 
 
@@ -1012,7 +1014,7 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
             fp = pl.floor_plan_for(max(deadline, time.perf_counter() + 5.0))
             if fp.peak > budget:
                 raise _infeasible(pl, budget, fp)
-            plan = fp
+            plan, mode = fp, pl.floor_mode
     out = apply_plan(pl.a, plan.keep, Budget(budget, scope))
     # The result owns its graph: editing it must not change the input program.
     out = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=Program)
