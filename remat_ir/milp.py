@@ -229,7 +229,7 @@ class KeepModel:
         if all(k == CONST for k in e):
             if kind == "le" and e.get(CONST, 0.0) > 1e-9:
                 self.infeasible_const = True
-            if kind in ("mem", "memf"):
+            if kind == "mem":
                 self.const_mem = max(self.const_mem, e.get(CONST, 0.0))
             return
         self.rows.append((e, kind))
@@ -437,7 +437,7 @@ class KeepModel:
                 for st, r in zip(sts, R):
                     if r and st.asap_death < c0:
                         _add(mem, r, float(st.size))
-                self.row(mem, "memf")
+                self.row(mem, "mem")
         # ---- start of backward / bytes kept into backward
         ret: dict = {}
         for st, r in zip(sts, R):
@@ -482,7 +482,6 @@ class KeepModel:
         rhs = np.zeros(len(rows))
         kind_mem = np.zeros(len(rows))
         kind_ret = np.zeros(len(rows))
-        kind_memf = np.zeros(len(rows))
         for i, (e, kind) in enumerate(rows):
             s = self.scale if kind != "le" else 1.0
             for k, v in e.items():
@@ -494,12 +493,10 @@ class KeepModel:
                     vals.append(v * s)
             if kind == "mem":
                 kind_mem[i] = 1.0
-            elif kind == "memf":
-                kind_memf[i] = 1.0
             elif kind == "ret":
                 kind_ret[i] = 1.0
         self._A = sp.csr_matrix((vals, (r_i, c_i)), shape=(len(rows), ny + nx))
-        self._rhs, self._kmem, self._kret, self._kmemf = rhs, kind_mem, kind_ret, kind_memf
+        self._rhs, self._kmem, self._kret = rhs, kind_mem, kind_ret
         fl = np.zeros(ny + nx)
         for k, v in self.obj.items():
             if k != CONST:
@@ -542,12 +539,8 @@ class Compiled:
         peak = objective == "peak"
         self.B = cp.Variable() if peak else cp.Parameter(nonneg=True, value=1e18)
         self.Rcap = cp.Parameter(nonneg=True, value=1e18)
-        # Bytes other segments hold during this one's backward / forward.
-        self.off_b = cp.Parameter(value=0.0)
-        self.off_f = cp.Parameter(value=0.0)
         if m.n_constraints:
-            bound = m._rhs + m._kmem * ((self.B - self.off_b) * m.scale) \
-                + m._kmemf * ((self.B - self.off_f) * m.scale)
+            bound = m._rhs + m._kmem * (self.B * m.scale)
             if m._kret.any():
                 bound = bound + m._kret * (self.Rcap * m.scale)
             cons.append(lhs <= bound)

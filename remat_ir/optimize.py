@@ -187,16 +187,15 @@ class Planner:
         self.role_aware = False  # skip kept-size levels for the last segment, peak levels for the first
         self.options_seconds = 12.0  # at most this long for the first option sets (all classes)
         self.p_levels = 1
-        self.refine_passes = 0  # coordinate descent; rarely helps once options are dense
         # Peak-capped options per class (fit_options); 2^k + 1 spreads nest, so
         # "full" tries every cap "fast" does.
         self.fit_per_class = {"fast": 3, "full": 9}
+        self._dp_steps = None  # (segments, frontier after each) of the last chain DP
         self.fallback_cap = 15.0  # seconds for each flat MILP below the decomposed floor (effort "fast")
         self.densify_rounds = 3
         self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
         self.class_models: dict = {}
         self.solve_cap = 1.0  # seconds per option MILP: options need not be optimal
-        self.local_models: dict = {}
 
     def say(self, msg: str) -> None:
         if self.log:
@@ -417,19 +416,8 @@ class Planner:
                 if i + 1 < len(have):
                     caps.add((r + have[i + 1]) / 2)
             caps = {c for c in caps if not any(abs(c - h) < 1 for h in have)}
-            new = []
-            for c in sorted(caps):
-                if _left(deadline) <= 0.3:
-                    break
-                kept, _, _ = self._solve_class(canon, "flops", f"kept<={fmt_bytes(c)}", R=c + 0.5,
-                                               time_limit=self._option_limit(deadline))
-                if kept is not None:
-                    new.append(frozenset(kept))
-            if new:
-                before = {o["kept"] for s in inst for o in self.options[s.index]}
-                self._evaluate_options(canon, inst, new)
-                after = {o["kept"] for s in inst for o in self.options[s.index]}
-                added = added or after != before
+            solves = [(f"kept<={fmt_bytes(c)}", dict(R=c + 0.5)) for c in sorted(caps)]
+            added = self._add_options(canon, inst, solves, deadline, reserve=0.3) or added
         return added
 
     def fit_options(self, budget: float, deadline: float) -> bool:
@@ -441,7 +429,7 @@ class Planner:
         class again with its peak capped at budget - S (a few such S per
         class, spread over the frontier).  Returns whether any option was
         added."""
-        if not self._is_chain() or getattr(self, "_dp_steps", None) is None:
+        if not self._is_chain() or self._dp_steps is None:
             return False
         segs_dp, steps = self._dp_steps
         per_class = self.fit_per_class[self.effort]
@@ -458,20 +446,28 @@ class Planner:
             cs = sorted(cs)
             if len(cs) > per_class:
                 cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
-            new = []
-            for cap in dict.fromkeys(cs):
-                if _left(deadline) <= 0.5:
-                    break
-                kept, _, _ = self._solve_class(canon, "flops", f"peak<={fmt_bytes(cap)} (room)",
-                                               B=cap, time_limit=self._option_limit(deadline))
-                if kept is not None:
-                    new.append(frozenset(kept))
-            if new:
-                before = {o["kept"] for s in inst for o in self.options[s.index]}
-                self._evaluate_options(canon, inst, new)
-                after = {o["kept"] for s in inst for o in self.options[s.index]}
-                added = added or after != before
+            solves = [(f"peak<={fmt_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
+            added = self._add_options(canon, inst, solves, deadline, reserve=0.5) or added
         return added
+
+    def _add_options(self, canon: Segment, inst: list[Segment], solves: list[tuple[str, dict]],
+                     deadline: float, reserve: float) -> bool:
+        """Solve the class MILP (least recompute) under each (label, caps) in
+        `solves` while more than `reserve` seconds remain, and add what it
+        finds to the class's options.  Returns whether the option sets grew."""
+        new = []
+        for label, caps in solves:
+            if _left(deadline) <= reserve:
+                break
+            kept, _, _ = self._solve_class(canon, "flops", label, time_limit=self._option_limit(deadline),
+                                           **caps)
+            if kept is not None:
+                new.append(frozenset(kept))
+        if not new:
+            return False
+        before = {o["kept"] for s in inst for o in self.options[s.index]}
+        self._evaluate_options(canon, inst, new)
+        return {o["kept"] for s in inst for o in self.options[s.index]} != before
 
     def _evaluate_options(self, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
         a = self.a
@@ -719,83 +715,6 @@ class Planner:
             kept |= set(o["kept"])
         return kept
 
-    # ---- refinement
-
-    def option_stats(self, s: Segment, kept: frozenset) -> dict:
-        """(kept, retained, pf, pb, flops) of segment instance `s` with `kept`."""
-        a = self.a
-        others = set(self.all_dec) - set(s.decisions)
-        pr = profile(a, a.keep_of(others | set(kept)), s.storages, with_constants=False)
-        pb = 0
-        if s.index in self.part:
-            lo, hi = self.part[s.index]
-            js = np.arange(lo, hi + 1)
-            pb = int(max((a.const_b[js] + pr.live_b[js]).max(), (a.const_pre[js] + pr.live_q[js]).max()))
-        f0, f1 = s.fwd_range
-        ts = np.arange(f0, f1 + 1)
-        pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts]).max())
-        return dict(kept=frozenset(kept), retained=int(pr.retained), pf=pf, pb=pb, flops=pr.flops)
-
-    def _rows(self, choice: dict, target: float):
-        """Per segment: (bytes others hold in its forward range, in its
-        backward window, room left for its own retained bytes)."""
-        segs = self.segs
-        pos = {s.index: i for i, s in enumerate(segs)}
-        lo = {si: self.part[si][0] for si in self.part}
-        R = {si: o["retained"] for si, o in choice.items()}
-        start = float(self.a.const_start)
-        if self.first_window > 0:
-            start = max(start, float(self.a.const_b[:self.first_window].max()))
-        off_f = {si: sum(R[j] for j in R if pos[j] < pos[si]) for si in R}
-        off_b = {si: sum(R[j] for j in R if j in lo and si in lo and lo[j] > lo[si]) for si in R}
-        slack_f = {si: target - (choice[si]["pf"] + off_f[si]) for si in R}
-        slack_b = {si: target - (choice[si]["pb"] + off_b[si]) for si in R if si in lo}
-        slack_start = target - (start + sum(R.values()))
-        room = {}
-        for si in R:
-            m = slack_start
-            for j in R:
-                if pos[j] > pos[si]:
-                    m = min(m, slack_f[j])
-                if j in slack_b and si in lo and lo[j] < lo[si]:
-                    m = min(m, slack_b[j])
-            room[si] = R[si] + m
-        return off_f, off_b, room
-
-    def refine(self, choice: dict, target: float, deadline: float) -> dict:
-        """One pass of coordinate descent: re-solve each segment's own MILP
-        with exactly the room the other segments leave it."""
-        a = self.a
-        choice = dict(choice)
-        byseg = {s.index: s for s in self.segs}
-        order = sorted((si for si in choice if byseg[si].decisions and choice[si]["flops"] > 0),
-                       key=lambda si: -choice[si]["flops"])
-        for n_left, si in zip(range(len(order), 0, -1), order):
-            if _left(deadline) <= 0.2:
-                break
-            s = byseg[si]
-            off_f, off_b, room = self._rows(choice, target)
-            c = self.local_models.get(si)
-            if c is None:
-                m = KeepModel(a, nodes=s.nodes, storages=s.storages, fixed=self.fixed, mode="local",
-                              decisions=s.decisions).build()
-                c = self.local_models[si] = m.compile("flops", tie_retained=1e-3)
-            c.B.value = float(target)
-            c.off_f.value = float(off_f[si])
-            c.off_b.value = float(off_b[si])
-            c.Rcap.value = float(max(room[si], 0.0)) + 0.5
-            kept, rec = c.solve(f"refine {s.name}", solver=self.solver,
-                                time_limit=min(_left(deadline) / n_left, 5.0), log=self.log)
-            self.solves.append(rec)
-            if kept is None:
-                continue
-            o = self.option_stats(s, frozenset(kept))
-            cur = choice[si]
-            if o["flops"] < cur["flops"] and o["retained"] <= room[si] + 0.5 \
-                    and o["pf"] + off_f[si] <= target and (si not in self.part or o["pb"] + off_b[si] <= target):
-                choice[si] = o
-        return choice
-
     def decomposed_budget(self, budget: int, deadline: float) -> Plan | None:
         """The cheapest plan the combine finds that really fits (simulated),
         improved with denser options around the chosen ones while time
@@ -845,17 +764,6 @@ class Planner:
                 self.say(f"  fitted: simulated {fmt_bytes(p2.peak)}, +{p2.flops / 1e9:.4g} GFLOP")
                 if p2.peak <= budget and p2.flops < plan.flops:
                     plan, choice = p2, ch2
-        if self.refine_passes and plan.flops > 0 and _left(deadline) > 0.5:
-            for _ in range(self.refine_passes):
-                new = self.refine(choice, target, deadline)
-                if all(new[k] is choice[k] for k in new):
-                    break
-                p2 = self.evaluate(self.kept_of(new))
-                self.say(f"  refined: simulated {fmt_bytes(p2.peak)}, +{p2.flops / 1e9:.4g} GFLOP")
-                if p2.peak <= budget and p2.flops < plan.flops:
-                    plan, choice = p2, new
-                else:
-                    break
         return plan
 
     def decomposed_floor(self, deadline: float) -> Plan | None:
