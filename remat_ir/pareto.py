@@ -17,13 +17,13 @@ the table shows what each solve returned.
 """
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from dataclasses import dataclass
 
 from .costs import overhead, unit_label
 from .ir import COST_PROFILE, Program
-from .text import human_bytes
+from .text import human_bytes, write_atomically
 
 DEFAULT_POINTS = 8
 
@@ -184,18 +184,9 @@ def plot(rows: list[Row], path: str | os.PathLike, *, title: str = "", scope: st
     fig.text(0.99, 0.01, "labels: budget as % of the unoptimized peak", ha="right", va="bottom",
              fontsize=7.5, color="dimgray")
     fig.tight_layout()
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".pareto-", suffix=".png", dir=d)
+    buf = io.BytesIO()
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        fig.savefig(buf, format="png")
     finally:
         plt.close(fig)
+    write_atomically(path, buf.getvalue())

@@ -1836,8 +1836,14 @@ def save_plan(program: Program, path: str | os.PathLike) -> None:
     """Write `program` to `path` atomically: a temporary file in the same
     directory, fsync, rename.  On failure nothing is left behind and an
     existing file at `path` is untouched."""
+    write_atomically(path, format_program(program).encode("utf-8"))
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same directory,
+    fsync and rename: readers see the old file or the whole new one, never a
+    half-written one, and a failure leaves nothing behind."""
     name = os.fspath(path)
-    data = format_program(program).encode("utf-8")
     directory = os.path.dirname(os.path.abspath(name))
     try:
         mode = os.stat(name).st_mode & 0o7777

@@ -124,15 +124,6 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
     return failed
 
 
-def save(program, path: str) -> None:
-    from remat_ir.text import format_program
-
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(format_program(program))
-    os.replace(tmp, path)
-
-
 def manifest_path(args) -> str:
     return os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, "missing")
                         .replace(".rir", ".json"))
@@ -443,10 +434,12 @@ def _main(argv) -> int:
     if todo:
         failed.update(compile_plans(args, todo, plans))
     if args.compile_only:
+        from remat_ir.text import save_plan
+
         os.makedirs(args.plans, exist_ok=True)
         for tag, p in plans.items():
             path = os.path.join(args.plans, plan_name(args.model, args.batch, args.seq, args.device, tag))
-            save(p, path)
+            save_plan(p, path)
             print(f"wrote {path}")
         with open(manifest_path(args), "w") as f:
             json.dump(failed, f, indent=1)
