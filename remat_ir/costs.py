@@ -40,10 +40,11 @@ def node_cost(node: Node, model: str) -> float:
     return float(node.time_us if model == COST_PROFILE else node.flops)
 
 
-def overhead(program: Program) -> tuple[float, float]:
-    """(cost of the plan's recomputes, cost of every op of the step), in the
-    plan's cost model (FLOPs, or microseconds when profiled)."""
-    model = program.header.cost
+def overhead(program: Program, model: str | None = None) -> tuple[float, float]:
+    """(cost of the plan's recomputes, cost of every op of the step), in cost
+    model `model` (default: the plan's own; FLOPs, or microseconds when
+    profiled)."""
+    model = model or program.header.cost
     nodes = program.node_map()
     extra = sum(node_cost(nodes[i.target], model)
                 for i in program.forward + program.backward if i.kind == RECOMPUTE)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .costs import node_cost
 from .ir import (
     BACKWARD, BUFFER, COMPUTE, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
     Instr, Program, node_inputs,
@@ -102,7 +103,7 @@ class Analysis:
         self.fwd = [n for n in program.nodes if n.phase == FORWARD]
         # Cost of recomputing each forward node in the plan's cost model: FLOPs, or
         # microseconds measured on the device (`remat-compile --cost profile`).
-        self.cost = [n.time_us if program.header.cost == "profile" else n.flops for n in self.fwd]
+        self.cost = [node_cost(n, program.header.cost) for n in self.fwd]
         self.bwd = _sink_views([n for n in program.nodes if n.phase == BACKWARD], self.fwd, values)
         nf, nb = self.nf, self.nb = len(self.fwd), len(self.bwd)
         self.fidx = {n.name: i for i, n in enumerate(self.fwd)}

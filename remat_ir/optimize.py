@@ -35,7 +35,8 @@ import numpy as np
 
 from .blocks import Segment, segments
 from .family import Analysis, apply_plan, profile, simulated_peak
-from .ir import COST_PROFILE, Budget, Program
+from .costs import node_cost
+from .ir import Budget, Program
 from .milp import KeepModel, SolveRecord, has_solution, installed_solvers, mip_gap, quiet_stdout, solver_options
 from .schedule import default_schedule
 from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
@@ -163,8 +164,7 @@ class Planner:
         a = self.a
         self.all_dec = a.decisions()
         # The step's cost in the plan's cost model (FLOPs, or profiled microseconds).
-        profiled = program.header.cost == COST_PROFILE
-        self.base_flops = float(sum(n.time_us if profiled else n.flops for n in program.nodes))
+        self.base_flops = float(sum(node_cost(n, program.header.cost) for n in program.nodes))
         self.requested = decompose
         self.auto = decompose is None  # decompose=True asks for the decomposed search alone
         if decompose is None:

@@ -1,7 +1,8 @@
 """Human-readable summaries of a plan's predicted memory."""
 from __future__ import annotations
 
-from .ir import Program
+from .costs import overhead
+from .ir import COST_FLOPS, COST_PROFILE, Program
 from .simulate import CATEGORIES, STEP_CATEGORIES, MemoryReport
 
 
@@ -48,14 +49,11 @@ def breakdown(program: Program, steady: MemoryReport, first: MemoryReport) -> st
         lines.append(f"  largest tensors live at the peak: {names}")
     recomputes = [i for i in program.forward + program.backward if i.kind == "recompute"]
     if recomputes:
-        nodes = program.node_map()
-        extra = sum(nodes[i.target].flops for i in recomputes)
-        total = sum(n.flops for n in program.nodes)
+        extra, total = overhead(program, COST_FLOPS)
         lines.append(f"  recomputed ops: {len(recomputes)}, extra compute {extra / 1e9:.3f} GFLOP "
                      f"({100 * extra / max(total, 1):.1f}% of the step)")
-        if program.header.cost == "profile":
-            t_extra = sum(nodes[i.target].time_us for i in recomputes)
-            t_total = sum(n.time_us for n in program.nodes)
+        if program.header.cost == COST_PROFILE:
+            t_extra, t_total = overhead(program, COST_PROFILE)
             lines.append(f"  profiled on {program.header.device}: +{t_extra / 1e3:.2f} ms of op time "
                          f"({100 * t_extra / max(t_total, 1e-9):.1f}% of the step's {t_total / 1e3:.2f} ms)")
     if b is not None:
