@@ -204,6 +204,7 @@ class Context:
         self.loss_fn = m.loss
         self._program = None
         self.trace_s = None
+        self.profile_s = None  # with --cost profile: timing every op of the traced step
         self._opt_api = None
         self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
@@ -228,6 +229,12 @@ class Context:
             p.header.optimizer = self.args.optimizer
             p.header.optimizer_bytes = optimizer_state_bytes(p, self.args.optimizer)
             self.trace_s = time.perf_counter() - t0
+            if self.args.cost == "profile":
+                from .costs import profile_costs
+
+                t0 = time.perf_counter()
+                p = profile_costs(p, self.fresh(), self.inputs)
+                self.profile_s = time.perf_counter() - t0
             self._program = p
         return self._program
 
@@ -355,6 +362,7 @@ def prep_compile(ctx: Context, budget: float) -> Prepared:
 def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
     """`budget` (activation scope): None (unoptimized plan), a fraction string,
     bytes (int), or "floor"."""
+    from .costs import overhead_text
     from .interpret import wrap
     from .simulate import simulate
 
@@ -382,7 +390,7 @@ def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
             raise
         program = res.program
         setup = time.perf_counter() - t0  # resolving the budget (the floor: a search) + the solve
-        extra = f"+{100 * res.extra_flops / max(res.base_flops, 1):.1f}% FLOPs"
+        extra = overhead_text(program)
         msgs = sorted({str(w.message).split(".")[0] for w in caught})
         if msgs:
             extra += "; solver warned: " + "; ".join(msgs)
@@ -628,7 +636,9 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     lines.append("")
     notes = []
     if ctx.trace_s is not None:
-        notes.append(f"remat-ir traced the step once in {ctx.trace_s:.1f} s (shared by its rows); "
+        profiled = (f" and timed each of its ops in {ctx.profile_s:.1f} s (--cost profile: the optimizer "
+                    "minimizes recomputed op time)" if ctx.profile_s is not None else "")
+        notes.append(f"remat-ir traced the step once in {ctx.trace_s:.1f} s{profiled} (shared by its rows); "
                      "\"predicted act.\" is the simulator's activation peak for the plan; budgets are "
                      "fractions of the unoptimized plan's activation peak; solve = wall time of resolving the "
                      "budget and optimizing (the optimizer reuses its analysis across the rows, so the first "
@@ -777,6 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "adam"],
                    help="optimizer state allocated (and counted in the totals); default adam")
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per solve (s)")
+    p.add_argument("--cost", default="flops", choices=["flops", "profile"],
+                   help="what remat-ir's optimizer minimizes: recomputed FLOPs (default), or recomputed op "
+                        "time, each op timed on the device first (as remat-compile --cost profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads; default on CPU 1: on a shared 2-core machine two intra-op "

@@ -1,30 +1,91 @@
 """Ops remat-ir adds to aten, so a plan can name them.
 
-`remat::dropout_mask(x, p, scale)` is CPU dropout's mask as eager computes
-it: `empty_like(x).bernoulli_(p).div_(scale)`.  The tracer fuses that
-three-op chain, whose in-place updates would otherwise pin the mask in
-memory (an in-place chain can't be recomputed piecewise), into this one
-functional random op: same allocation, same random draws, same bits, and it
-can be recomputed with its RNG state replayed.
+CPU dropout's mask is, in eager PyTorch, `empty_like(x).bernoulli_(p).div_(scale)`:
+an in-place chain that would pin the mask in memory (it can't be recomputed
+piecewise) and holds it in `x`'s dtype, four bytes an element for float32.
+The tracer rewrites that chain into two functional ops with the same bits:
+
+* `remat::dropout_keep(x, p)`: the random draw, `empty_like(x, bool).bernoulli_(p)`.
+  It consumes the generator exactly as the float draw does (same elements,
+  same order), so the RNG stream after it matches eager's.  Random: a
+  recompute replays its RNG state.
+* `remat::dropout_scale(keep, scale, dtype)`: eager's mask bit for bit.  It
+  computes `1 / scale` once in `dtype` (eager's division of a kept element)
+  and multiplies the draw's bytes by it, which gives the same bits for 0 and 1
+  (signs, infinities and NaN included) at a third of the cost of converting
+  and dividing; where `1 / scale` overflows (`0 * inf` is NaN, `0 / scale`
+  is 0) it divides like eager.
+
+The optimizer can then keep the one-byte draw into backward and recompute the
+cheap scale there, instead of keeping the mask or drawing it again.
+
+Cross-entropy's backward is, in eager PyTorch, `nll_loss_backward` (a
+logits-sized gradient, zero but at the targets) then
+`_log_softmax_backward_data` (another logits-sized tensor), with the saved
+log-probabilities live beside both: three logits-sized tensors at once, the
+largest moment of a language model's step once its blocks are checkpointed.
+`remat::nll_log_softmax_backward` runs the same two kernels but writes the
+second one's result over the first one's, which nothing else reads: two
+logits-sized tensors.  ATen's CPU kernel reduces each row of its gradient
+before it writes that row, element by element, so writing in place gives the
+same bits (`tests/test_ops.py` checks it against eager for every dim, dtype and
+reduction); the tracer fuses the pair only in CPU traces.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 _lib = torch.library.Library("remat", "FRAGMENT")
-_lib.define("dropout_mask(Tensor x, float p, float scale) -> Tensor")
+_lib.define("dropout_keep(Tensor x, float p) -> Tensor")
+_lib.define("dropout_scale(Tensor keep, float scale, ScalarType dtype) -> Tensor")
 
 
-def _dropout_mask(x: torch.Tensor, p: float, scale: float) -> torch.Tensor:
-    return torch.empty_like(x).bernoulli_(p).div_(scale)
+def _dropout_keep(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bool).bernoulli_(p)
 
 
-def _dropout_mask_fake(x: torch.Tensor, p: float, scale: float) -> torch.Tensor:
-    return torch.empty_like(x)
+def _dropout_keep_meta(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bool)
 
 
-_lib.impl("dropout_mask", _dropout_mask, "CompositeExplicitAutograd")
-_lib.impl("dropout_mask", _dropout_mask_fake, "Meta")
+def _dropout_scale(keep: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    kept = torch.ones((), dtype=dtype, device=keep.device).div_(scale)
+    if not math.isfinite(kept.item()):
+        return keep.to(dtype).div_(scale)
+    return keep.view(torch.uint8) * kept
 
-dropout_mask = torch.ops.remat.dropout_mask.default
-RANDOM_OPS = frozenset({dropout_mask})
+
+def _dropout_scale_meta(keep: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(keep, dtype=dtype)
+
+
+_lib.define("nll_log_softmax_backward(Tensor grad_output, Tensor self, Tensor target, Tensor? weight, "
+            "int reduction, int ignore_index, Tensor total_weight, Tensor output, int dim, "
+            "ScalarType input_dtype) -> Tensor")
+
+
+def _nll_log_softmax_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight,
+                              output, dim, input_dtype):
+    aten = torch.ops.aten
+    g = aten.nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight)
+    return aten._log_softmax_backward_data.out(g, output, dim, input_dtype, out=g)
+
+
+def _nll_log_softmax_backward_meta(grad_output, self, target, weight, reduction, ignore_index, total_weight,
+                                   output, dim, input_dtype):
+    return torch.empty_like(self, memory_format=torch.contiguous_format)
+
+
+_lib.impl("dropout_keep", _dropout_keep, "CompositeExplicitAutograd")
+_lib.impl("dropout_keep", _dropout_keep_meta, "Meta")
+_lib.impl("dropout_scale", _dropout_scale, "CompositeExplicitAutograd")
+_lib.impl("dropout_scale", _dropout_scale_meta, "Meta")
+_lib.impl("nll_log_softmax_backward", _nll_log_softmax_backward, "CompositeExplicitAutograd")
+_lib.impl("nll_log_softmax_backward", _nll_log_softmax_backward_meta, "Meta")
+
+dropout_keep = torch.ops.remat.dropout_keep.default
+dropout_scale = torch.ops.remat.dropout_scale.default
+nll_log_softmax_backward = torch.ops.remat.nll_log_softmax_backward.default
+RANDOM_OPS = frozenset({dropout_keep})

@@ -9,6 +9,7 @@ GPT-2 medium step is planned in seconds on a laptop.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import operator
@@ -22,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from . import ir
-from .ops import RANDOM_OPS, dropout_mask
+from .ops import RANDOM_OPS, dropout_keep, dropout_scale, nll_log_softmax_backward
 from .ir import (
     BACKWARD, BUFFER, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output,
     Program, Value,
@@ -187,13 +188,15 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
             h.remove()
 
     _fuse_dropout_masks(gm)
+    _fuse_cross_entropy_backward(gm)
     return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                        loss_fn is not None, model_name)
 
 
 def _fuse_dropout_masks(gm) -> None:
     """`empty_like(x) -> bernoulli_(p) -> div_(s)` (CPU dropout's mask) becomes
-    one `remat.dropout_mask(x, p, s)` node; see remat_ir/ops.py."""
+    `keep = remat.dropout_keep(x, p)` (a one-byte draw) and
+    `remat.dropout_scale(keep, s, dtype)` (the mask); see remat_ir/ops.py."""
     aten = torch.ops.aten
     g = gm.graph
     for d in list(g.nodes):
@@ -208,12 +211,46 @@ def _fuse_dropout_masks(gm) -> None:
                 and len(e.args) == 1 and set(e.kwargs) <= {"memory_format"}
                 and e.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format):
             continue
+        mask = d.meta["val"]
         with g.inserting_before(d):
-            fused = g.call_function(dropout_mask, (e.args[0], b.args[1], d.args[1]))
-        fused.meta = dict(d.meta)
-        d.replace_all_uses_with(fused)
+            keep = g.call_function(dropout_keep, (e.args[0], b.args[1]))
+            scaled = g.call_function(dropout_scale, (keep, d.args[1], mask.dtype))
+        keep.meta = dict(d.meta)
+        with getattr(mask, "fake_mode", None) or contextlib.nullcontext():
+            keep.meta["val"] = torch.empty_like(mask, dtype=torch.bool)
+        scaled.meta = dict(d.meta)
+        d.replace_all_uses_with(scaled)
         for n in (d, b, e):
             g.erase_node(n)
+    g.lint()
+
+
+def _fuse_cross_entropy_backward(gm) -> None:
+    """`nll_loss_backward` whose only reader is `_log_softmax_backward_data`
+    becomes one `remat.nll_log_softmax_backward` that writes the second result
+    over the first (one logits-sized tensor fewer; see remat_ir/ops.py).  CPU
+    only: that is the kernel whose in-place run is checked bit for bit."""
+    aten = torch.ops.aten
+    g = gm.graph
+    for s in list(g.nodes):
+        if s.op != "call_function" or s.target is not aten._log_softmax_backward_data.default or s.kwargs:
+            continue
+        n = s.args[0]
+        if not (isinstance(n, torch.fx.Node) and n.target is aten.nll_loss_backward.default
+                and len(n.users) == 1 and not n.kwargs and len(n.args) == 7):
+            continue
+        nv, sv = n.meta.get("val"), s.meta.get("val")
+        if not (isinstance(nv, torch.Tensor) and isinstance(sv, torch.Tensor) and nv.device.type == "cpu"
+                and nv.dtype == sv.dtype and nv.shape == sv.shape and nv.stride() == sv.stride()
+                and nv.is_contiguous()):
+            continue
+        with g.inserting_before(s):
+            fused = g.call_function(nll_log_softmax_backward, (*n.args, *s.args[1:]))
+        fused.meta = dict(s.meta)
+        fused.meta["flops"] = float(2 * sv.numel())  # the two kernels'
+        s.replace_all_uses_with(fused)
+        g.erase_node(s)
+        g.erase_node(n)
     g.lint()
 
 
@@ -584,6 +621,8 @@ def _flops(n) -> float:
     output element for everything else, zero for views."""
     op = n.target
     val = n.meta.get("val")
+    if "flops" in n.meta:  # set by a rewrite that fused several ops
+        return n.meta["flops"]
     if op._overloadpacket in flop_registry:
         try:
             args = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, n.args)

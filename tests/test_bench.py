@@ -42,10 +42,13 @@ def test_rows(result):
         assert r["grads"] == "bitwise", r
         assert r["act_peak"] < eager["act_peak"]
         assert len(r["times"]) == 2
-    # remat-ir's unoptimized plan is eager, exactly, and measured as predicted.
+    # remat-ir's unoptimized plan is eager's schedule but for the fused
+    # cross-entropy backward, which holds one logits-sized tensor (128 x 1024
+    # f32) fewer at the peak and the 4-byte total weight it reads one op
+    # longer; measured as predicted.
     plan = rows["remat-plan"]
     assert plan["status"] == "ok" and plan["grads"] == "bitwise"
-    assert plan["act_peak"] == eager["act_peak"]
+    assert eager["act_peak"] - plan["act_peak"] == 128 * 1024 * 4 - 4
     assert matches(plan["predicted_act"], plan["act_peak"])
     for key in ("remat-0.5", "remat-floor"):
         r = rows[key]

@@ -1,13 +1,15 @@
 """Step-time acceptance check: remat-ir against eager PyTorch and
 torch.utils.checkpoint on a mid-size GPT, on CPU.
 
-    python tools/step_time.py [--model gpt2-mid8] [--steps 7] [--budget 0.5] [--threads N]
+    python tools/step_time.py [--model gpt2-mid8] [--steps 7] [--budget 0.5] [--cost flops|profile]
+                              [--threads N]
 
 The criteria, each printed as a PASS/FAIL line:
 
-1. remat-ir at ``--budget`` (0.5) of the activation peak: measured
-   activation peak at most that fraction of eager's, and step time at most
-   1.10x eager's.
+1. remat-ir at ``--budget`` (0.5) of eager's measured activation peak:
+   measured activation peak at most that, and step time at most 1.10x
+   eager's.  (The same fraction of remat-ir's own unoptimized peak, which is
+   lower than eager's, is shown as well.)
 2. remat-ir at a budget equal to the activation peak *measured* for
    torch.utils.checkpoint around every block: measured peak at most
    checkpointing's, and step time lower than checkpointing's.
@@ -35,6 +37,7 @@ import torch
 
 from remat_ir import bench
 from remat_ir.bench import MiB, MethodSpec, Row
+from remat_ir.costs import overhead_text
 
 RATIO_LIMIT = 1.10
 
@@ -74,7 +77,7 @@ def _recompute_summary(prep) -> str:
         count[n.op.split(".")[1]] += 1
     ops = ", ".join(f"{k} x{v}" for k, v in count.most_common())
     return (f"recomputes {ops or 'nothing'}" + (f" (+{views} views)" if views else "")
-            + f"; +{100 * res.overhead:.1f}% FLOPs ({res.mode}, solved in {res.seconds:.1f} s)")
+            + f"; {overhead_text(res.program)} ({res.mode}, solved in {res.seconds:.1f} s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="criterion 1's budget, a fraction of the activation peak (default 0.5)")
     p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "adam"])
     p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per solve (s)")
+    p.add_argument("--cost", default="flops", choices=["flops", "profile"],
+                   help="what the optimizer minimizes: recomputed FLOPs (default) or profiled op time")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default on CPU: 1, see remat-bench)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
         return 2
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     args = bench.default_args(model=a.model, batch=a.batch, seq=a.seq, device="cpu", steps=a.steps,
-                              optimizer=a.optimizer, time_limit=a.time_limit, threads=a.threads,
+                              optimizer=a.optimizer, time_limit=a.time_limit, cost=a.cost, threads=a.threads,
                               seed=a.seed, quiet=a.quiet)
     bench.apply_threads(args)
     t_start = time.perf_counter()
@@ -112,17 +117,9 @@ def main(argv=None) -> int:
     ref = bench.eager_reference(ctx)
 
     frac = f"{a.budget:g}"
-    specs = [
-        MethodSpec("eager", "eager PyTorch", "eager", bench.prep_eager),
-        MethodSpec("ckpt-all", "checkpoint every block", "checkpoint", bench.prep_ckpt_all),
-        MethodSpec("remat-plan", "remat-ir, unoptimized plan", "remat",
-                   lambda c: bench.prep_remat(c, None)),
-        MethodSpec(f"remat-{frac}", f"remat-ir, budget {frac}", "remat",
-                   lambda c: bench.prep_remat(c, frac)),
-    ]
     rows: dict[str, Row] = {}
     preps: dict = {}
-    budgets: dict[str, str] = {f"remat-{frac}": f"{frac} x eager"}
+    budgets: dict[str, str] = {}
 
     def run(spec: MethodSpec) -> None:
         row, prep = bench.measure(ctx, spec, ref, log)
@@ -130,8 +127,26 @@ def main(argv=None) -> int:
         if prep is not None:
             preps[spec.key] = prep
 
-    for spec in specs:
+    for spec in (MethodSpec("eager", "eager PyTorch", "eager", bench.prep_eager),
+                 MethodSpec("ckpt-all", "checkpoint every block", "checkpoint", bench.prep_ckpt_all),
+                 MethodSpec("remat-plan", "remat-ir, unoptimized plan", "remat",
+                            lambda c: bench.prep_remat(c, None))):
         run(spec)
+    eager = rows["eager"]
+    if not eager.ok:
+        print(f"step_time.py: error: eager failed: {eager.status}", file=sys.stderr)
+        return 1
+    # Criterion 1 is a fraction of eager's measured peak.  The unoptimized
+    # plan's own peak is lower (its fused cross-entropy backward holds one
+    # logits-sized tensor fewer), so the same fraction of *that* is a tighter
+    # budget: shown too, not a criterion.
+    half = int(a.budget * eager.act_peak)
+    budgets[f"remat-{frac}"] = f"{frac} x eager's = {half / MiB:.1f} MiB"
+    run(MethodSpec(f"remat-{frac}", f"remat-ir, budget {frac} of eager's peak", "remat",
+                   lambda c: bench.prep_remat(c, half)))
+    budgets[f"remat-{frac}-plan"] = f"{frac} x the unoptimized plan's"
+    run(MethodSpec(f"remat-{frac}-plan", f"remat-ir, budget {frac} of its unoptimized plan's peak", "remat",
+                   lambda c: bench.prep_remat(c, frac)))
     ckpt = rows["ckpt-all"]
     if ckpt.ok:
         # The measured peak, not a fraction: "at equal or lower measured peak".
@@ -139,10 +154,6 @@ def main(argv=None) -> int:
         budgets["remat-ckpt"] = f"{nbytes / MiB:.1f} MiB (= ckpt-all measured)"
         run(MethodSpec("remat-ckpt", "remat-ir, budget = ckpt-all's peak", "remat",
                        lambda c: bench.prep_remat(c, nbytes)))
-    eager = rows["eager"]
-    if not eager.ok:
-        print(f"step_time.py: error: eager failed: {eager.status}", file=sys.stderr)
-        return 1
 
     log("timing:")
     ordered = list(rows.values())
@@ -171,7 +182,7 @@ def main(argv=None) -> int:
         print(f"| {r.label} | {budgets.get(r.key, '-')} | {pred} | {_mib(r.act_peak)} | "
               f"{_pct(r.act_peak / e_act)} | {r.step_time:.3f} s | {ratio} | {grads} |")
     print()
-    for key in (f"remat-{frac}", "remat-ckpt"):
+    for key in (f"remat-{frac}", f"remat-{frac}-plan", "remat-ckpt"):
         s = _recompute_summary(preps.get(key))
         if s:
             print(f"- {key}: {s}")
