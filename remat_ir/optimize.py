@@ -43,8 +43,9 @@ from .simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
 FLAT_MAX_DECISIONS = 16  # above this, decompose (when the graph has segments)
 # Up to this many decisions the flat MILP still finds good plans within a
-# minute, just not proven ones: it is tried where the decomposed search, which
-# keeps every block input, cannot go (budgets below its floor).
+# minute, just not always proven ones: it is solved beside the decomposed
+# search (which keeps every block input, so it misses plans that recompute
+# one) and below its floor, and the better plan is taken.
 FLAT_FALLBACK_DECISIONS = 64
 
 # "fast": each per-block option MILP stops after `Planner.solve_cap` seconds
@@ -191,7 +192,7 @@ class Planner:
         # "full" tries every cap "fast" does.
         self.fit_per_class = {"fast": 3, "full": 9}
         self._dp_steps = None  # (segments, frontier after each) of the last chain DP
-        self.fallback_cap = 15.0  # seconds for each flat MILP below the decomposed floor (effort "fast")
+        self.fallback_cap = 15.0  # seconds for each flat MILP beside the decomposed search (effort "fast")
         self.densify_rounds = 3
         self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
         self.class_models: dict = {}
@@ -907,13 +908,14 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
         mode = "decomposed" if pl.decompose else "flat"
         if pl.decompose:
             plan = pl.decomposed_budget(budget, deadline)
-            if plan is None and pl.flat_fallback(deadline):
-                pl.say("  the decomposed search found no plan: trying the flat MILP")
-                plan = pl.flat_budget(budget, pl._fallback_deadline(deadline))
-                if plan is not None and plan.peak <= budget:
-                    mode = "flat"
-                else:
-                    plan = None
+            if pl.flat_fallback(deadline):
+                # Few enough decisions for the exact flat MILP, which may also
+                # recompute the block inputs the decomposition keeps: the
+                # cheaper of the two plans that fit wins.
+                pl.say("  small graph: trying the flat MILP too")
+                flat = pl.flat_budget(budget, pl._fallback_deadline(deadline))
+                if flat is not None and flat.peak <= budget and (plan is None or flat.flops < plan.flops):
+                    plan, mode = flat, "flat"
         else:
             plan = pl.flat_budget(budget, deadline)
             if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point

@@ -211,7 +211,9 @@ def _fuse_dropout_masks(gm) -> None:
                 and len(e.args) == 1 and set(e.kwargs) <= {"memory_format"}
                 and e.kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format):
             continue
-        mask = d.meta["val"]
+        mask = d.meta.get("val")
+        if not (isinstance(mask, torch.Tensor) and mask.device.type == "cpu"):
+            continue  # the one-byte draw is checked against CPU's bernoulli_ only
         with g.inserting_before(d):
             keep = g.call_function(dropout_keep, (e.args[0], b.args[1]))
             scaled = g.call_function(dropout_scale, (keep, d.args[1], mask.dtype))
