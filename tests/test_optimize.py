@@ -285,6 +285,31 @@ def test_decomposed_quality_vs_flat():
         assert dec.extra_flops <= 2 * flat.extra_flops + 0.05 * flat.base_flops
 
 
+def test_refinement_window_reaches_the_flat_optimum_on_two_segments():
+    """With two segments one refinement window holds every decision: the
+    decomposed search then ends with the exact MILP (warm-started from its
+    own plan), so it matches a proven flat optimum."""
+    p = stacked_program(2)
+    scope = "activations"
+    top = unoptimized_peak(p, scope)
+    compared = 0
+    for frac in (0.8, 0.65, 0.5):
+        budget = int(top * frac)
+        try:
+            flat = optimize(p, budget, scope, decompose=False)
+        except Infeasible:
+            continue
+        if flat.mode == "none" or flat.solves[-1].status != "optimal":
+            continue
+        dec = optimize(p, budget, scope, decompose=True)
+        check_plan(dec, p, budget, scope)
+        assert dec.mode == "decomposed"
+        assert any(rec.name.startswith("window ") for rec in dec.solves)
+        assert dec.extra_flops == pytest.approx(flat.extra_flops, rel=1e-9, abs=1e-6)
+        compared += 1
+    assert compared
+
+
 # ------------------------------------------------------------------ infeasible
 
 
