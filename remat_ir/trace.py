@@ -193,6 +193,20 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
                        loss_fn is not None, model_name)
 
 
+def _sole_producer(node, consumer, producer, nargs: int):
+    """`node`'s first operand when `node` calls `consumer` (no keyword
+    arguments) and that operand is a call of `producer` with `nargs`
+    positional arguments and no keywords that only `node` reads: the pairs
+    the rewrites below fuse.  Else None."""
+    if node.op != "call_function" or node.target is not consumer or node.kwargs or not node.args:
+        return None
+    p = node.args[0]
+    if (isinstance(p, torch.fx.Node) and p.target is producer and len(p.users) == 1 and not p.kwargs
+            and len(p.args) == nargs):
+        return p
+    return None
+
+
 def _fuse_dropout_masks(gm) -> None:
     """`empty_like(x) -> bernoulli_(p) -> div_(s)` (CPU dropout's mask) becomes
     `keep = remat.dropout_keep(x, p)` (a one-byte draw) and
@@ -200,11 +214,8 @@ def _fuse_dropout_masks(gm) -> None:
     aten = torch.ops.aten
     g = gm.graph
     for d in list(g.nodes):
-        if d.op != "call_function" or d.target is not aten.div_.Scalar or d.kwargs:
-            continue
-        b = d.args[0]
-        if not (isinstance(b, torch.fx.Node) and b.target is aten.bernoulli_.float and len(b.users) == 1
-                and not b.kwargs and len(b.args) == 2):
+        b = _sole_producer(d, aten.div_.Scalar, aten.bernoulli_.float, 2)
+        if b is None:
             continue
         e = b.args[0]
         if not (isinstance(e, torch.fx.Node) and e.target is aten.empty_like.default and len(e.users) == 1
@@ -235,11 +246,8 @@ def _fuse_cross_entropy_backward(gm) -> None:
     aten = torch.ops.aten
     g = gm.graph
     for s in list(g.nodes):
-        if s.op != "call_function" or s.target is not aten._log_softmax_backward_data.default or s.kwargs:
-            continue
-        n = s.args[0]
-        if not (isinstance(n, torch.fx.Node) and n.target is aten.nll_loss_backward.default
-                and len(n.users) == 1 and not n.kwargs and len(n.args) == 7):
+        n = _sole_producer(s, aten._log_softmax_backward_data.default, aten.nll_loss_backward.default, 7)
+        if n is None:
             continue
         nv, sv = n.meta.get("val"), s.meta.get("val")
         if not (isinstance(nv, torch.Tensor) and isinstance(sv, torch.Tensor) and nv.device.type == "cpu"
