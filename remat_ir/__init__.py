@@ -1,32 +1,38 @@
 """remat-ir: rematerialization plans for PyTorch training, as files.
 
+    plan = remat_ir.compile(model, (x, y), budget="0.5", scope="activations")   # trace + optimize
+    remat_ir.save_plan(plan, "plan.rir")
+
     plan = remat_ir.load_plan("plan.rir")
     model = remat_ir.wrap(model, plan)      # then: loss = model(x, y); loss.backward()
 
-The runtime path (load a plan, run it) imports torch, lark and msgspec only.
+The runtime path (load a plan, run it) imports torch and msgspec only.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "load_plan", "save_plan", "trace_module", "verify", "simulate"]
+__all__ = ["compile", "wrap", "load_plan", "save_plan", "trace_module", "verify", "simulate"]
 
 
 def __getattr__(name):
     # Lazy, so `import remat_ir` stays cheap and pulls in nothing optional.
+    if name == "compile":
+        from remat_ir.pipeline import compile
+        return compile
     if name == "wrap":
-        from .interpret import wrap
+        from remat_ir.runtime.interpret import wrap
         return wrap
     if name in ("load_plan", "save_plan"):
-        from . import text
-        return getattr(text, name)
+        from remat_ir.ir import files
+        return getattr(files, name)
     if name == "trace_module":
-        from .trace import trace_module
+        from remat_ir.trace.tracer import trace_module
         return trace_module
     if name == "verify":
-        from .verify import verify
+        from remat_ir.check.verify import verify
         return verify
     if name == "simulate":
-        from .simulate import simulate
+        from remat_ir.check.simulate import simulate
         return simulate
     raise AttributeError(f"module 'remat_ir' has no attribute {name!r}")

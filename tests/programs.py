@@ -24,7 +24,7 @@ from remat_ir.ir import (
     BACKWARD, BUFFER, DTYPE_BYTES, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header,
     Node, Output, Program, Ref, Seq, Value, contiguous_stride, from_msgpack, to_msgpack,
 )
-from remat_ir.schedule import default_schedule
+from remat_ir.ir.schedule import default_schedule
 
 DIMS = (4, 8, 16, 32)
 

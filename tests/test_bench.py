@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from remat_ir import bench
-from remat_ir.run import matches
+from remat_ir.cli import bench
+from remat_ir.runtime.run import matches
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from remat_ir.cli import compile_main, run_main, verify_main
+from remat_ir.cli.commands import compile_main, run_main, verify_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,17 +115,67 @@ def test_entry_points_installed():
     assert r.returncode == 0 and "plan" in r.stdout
 
 
-def test_runtime_path_does_not_import_cvxpy(tiny_plan):
-    code = (
-        "import sys, torch\n"
-        "import remat_ir\n"
-        "from remat_ir.load import load_model\n"
-        f"plan = remat_ir.load_plan({str(tiny_plan)!r})\n"
-        "m = load_model('gpt2-tiny')\n"
-        "w = remat_ir.wrap(m.module, plan)\n"
-        "w(*m.inputs).backward()\n"
-        "assert 'cvxpy' not in sys.modules, 'cvxpy imported on the runtime path'\n"
-        "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    assert "ok" in r.stdout
+# The runtime path importing no optimizer, cvxpy or scipy: tests/test_layering.py.
+
+
+# ------------------------------------------------------- the API behind it
+
+
+def _small_net():
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 4))
+    return net, (torch.randn(128, 8),), (lambda out, x: out.square().mean())
+
+
+def test_compile_api_completes_the_header_and_verifies():
+    import remat_ir
+    from remat_ir.pipeline import BudgetError, CompileStats
+    from remat_ir.runtime.load import ModelError
+
+    net, args, loss = _small_net()
+    stats = CompileStats()
+    plan = remat_ir.compile(net, args, loss=loss, name="net", optimizer="adam", stats=stats)
+    h = plan.header
+    assert (h.model, h.device, h.optim) == ("net", "cpu", "adam")
+    assert h.optim_state_bytes == 2 * 4 * sum(p.numel() for p in net.parameters())
+    assert h.comment == ["remat-ir plan: net (input float32[128, 8])"]
+    assert h.budget is None and not any(i.kind == "recompute" for i in plan.backward)
+    assert set(stats.seconds) == {"trace", "verify"} and stats.optimized is None
+    assert remat_ir.compile(net, args, loss=loss).header.model == "Sequential"
+    with pytest.raises(BudgetError, match="cannot read budget"):
+        remat_ir.compile(net, args, loss=loss, budget="lots")
+    with pytest.raises(ValueError, match="scope"):
+        remat_ir.compile(net, args, loss=loss, scope="everything")
+    with pytest.raises(ValueError, match="optimizer"):
+        remat_ir.compile(net, args, loss=loss, optimizer="lamb")
+    with pytest.raises(ModelError, match="nn.Module"):
+        remat_ir.compile("net", args)
+
+
+def test_compile_api_fits_a_budget():
+    import remat_ir
+    from remat_ir.pipeline import CompileStats
+
+    net, args, loss = _small_net()
+    stats = CompileStats()
+    plan = remat_ir.compile(net, args, loss=loss, budget="floor", scope="activations", stats=stats)
+    assert plan.header.budget.scope == "activations" and plan.header.budget.bytes == stats.budget
+    assert stats.optimized is not None and stats.optimized.predicted_peak <= stats.budget
+    assert {"trace", "budget", "optimize", "verify"} <= set(stats.seconds)
+    verdict = remat_ir.verify(plan)
+    assert verdict.ok and verdict.report.activation_peak_bytes <= stats.budget
+
+
+def test_compile_api_takes_the_device_from_the_model():
+    import torch
+
+    import remat_ir
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    net, args, loss = _small_net()
+    plan = remat_ir.compile(net.cuda(), tuple(a.cuda() for a in args), loss=loss)
+    assert plan.header.device == "cuda"

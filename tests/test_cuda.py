@@ -10,9 +10,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "mlp"])
 def test_cuda_run_matches_eager_and_prediction(name):
-    from remat_ir.load import load_model
-    from remat_ir.run import run_plan
-    from remat_ir.trace import trace_module
+    from remat_ir.runtime.load import load_model
+    from remat_ir.runtime.run import run_plan
+    from remat_ir.trace.tracer import trace_module
 
     m = load_model(name, device="cuda")
     program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name)

@@ -39,11 +39,11 @@ def test_compile_only_writes_plans(gpu_check, plans):
                           .replace(".rir", ".json")).read_text())
     for tag in ("0.7", "0.5", "floor"):
         assert (gpu_check.plan_name("gpt2-tiny", 2, 64, "cpu", tag) in files) != (tag in missing)
-    from remat_ir.text import load_plan
+    from remat_ir.ir.files import load_plan
 
     for f in plans.glob("*.rir"):
         p = load_plan(f)
-        assert p.header.optimizer == "adam" and p.header.optimizer_bytes > 0
+        assert p.header.optim == "adam" and p.header.optim_state_bytes > 0
         assert p.header.device == "cpu"
 
 
@@ -74,8 +74,8 @@ def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
 
 def test_plan_for_cuda_is_retargeted():
     from remat_ir import ir
-    from remat_ir.bench import retarget_device
-    from remat_ir.trace import trace_builtin
+    from remat_ir.cli.bench import retarget_device
+    from remat_ir.trace.tracer import trace_builtin
 
     p = retarget_device(trace_builtin("gpt2-tiny", fake=True), "cuda")
     devs = {a.name for n in p.nodes for a in list(n.args) + list(n.kwargs.values()) if isinstance(a, ir.Device)}

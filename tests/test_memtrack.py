@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from remat_ir.memtrack import StepMemory, StorageTracker, measure_step, storage_key
+from remat_ir.runtime.memtrack import StepMemory, StorageTracker, measure_step, storage_key
 from remat_ir.models import build_builtin
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from remat_ir.ops import dropout_keep, dropout_scale, nll_log_softmax_backward
+from remat_ir.ir.ops import dropout_keep, dropout_scale, nll_log_softmax_backward
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -92,7 +92,7 @@ def test_fused_cross_entropy_backward_at_language_model_shapes(shape):
 
 
 def test_tracer_fuses_on_cpu():
-    from remat_ir.trace import trace_builtin
+    from remat_ir.trace.tracer import trace_builtin
 
     p = trace_builtin("gpt2-tiny", fake=True)
     ops = [n.op for n in p.nodes]

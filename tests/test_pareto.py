@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from remat_ir.cli import compile_main
-from remat_ir.load import load_model
-from remat_ir.optimize import floor, unoptimized_peak
-from remat_ir.pareto import (
+from remat_ir.cli.commands import compile_main
+from remat_ir.runtime.load import load_model
+from remat_ir.optimize.search import floor, unoptimized_peak
+from remat_ir.optimize.pareto import (
     FLOOR, OPTIMIZED, UNOPTIMIZED, Row, budgets, format_table, plot, sweep, table_header,
 )
-from remat_ir.trace import trace_module
-from remat_ir.verify import verify
+from remat_ir.trace.tracer import trace_module
+from remat_ir.check.verify import verify
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

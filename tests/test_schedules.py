@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
-from remat_ir.text import format_program, load_plan
-from remat_ir.verify import verify
+from remat_ir.ir.files import load_plan
+from remat_ir.ir.printer import format_program
+from remat_ir.check.verify import verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANS = sorted(glob.glob(os.path.join(ROOT, "schedules", "*.rir")))
@@ -48,7 +49,7 @@ def test_golden_plan_is_regenerated_identically(path):
         return
     # The MILP's time limits make an optimized plan's exact choices depend on
     # machine speed: ask for the same budget and a sound plan, not the same text.
-    from remat_ir.text import parse_program
+    from remat_ir.ir.parser import parse_program
 
     a, b = load_plan(path), parse_program(fresh)
     assert a.header.budget == b.header.budget

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from remat_ir.ir import Budget, Instr, node_inputs
-from remat_ir.show import main
-from remat_ir.simulate import simulate
-from remat_ir.text import format_program
-from remat_ir.trace import trace_builtin
-from remat_ir.verify import verify
+from remat_ir.cli.show import main
+from remat_ir.check.simulate import simulate
+from remat_ir.ir.printer import format_program
+from remat_ir.trace.tracer import trace_builtin
+from remat_ir.check.verify import verify
 
 
 def _add_recomputes(p):

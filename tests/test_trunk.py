@@ -6,12 +6,12 @@ import copy
 import pytest
 import torch
 
-from remat_ir.interpret import PlanMismatch, wrap
-from remat_ir.load import load_model
-from remat_ir.run import check_gradients, matches, run_plan
-from remat_ir.simulate import simulate
-from remat_ir.trace import TraceError, trace_module
-from remat_ir.verify import verify
+from remat_ir.runtime.interpret import PlanMismatch, wrap
+from remat_ir.runtime.load import load_model
+from remat_ir.runtime.run import check_gradients, matches, run_plan
+from remat_ir.check.simulate import simulate
+from remat_ir.trace.tracer import TraceError, trace_module
+from remat_ir.check.verify import verify
 
 MODELS = ["gpt2-tiny", "mlp", "examples/mlp_with_loss.py"]
 

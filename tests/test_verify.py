@@ -1,4 +1,9 @@
-"""The verifier accepts valid programs and rejects broken ones at the right line."""
+"""The verifier accepts valid programs and rejects broken ones at the right line.
+
+Here: properties over random programs (valid ones pass, mutated ones fail at
+the mutated line) and what a `.rir` text cannot express.  Fixed cases, one
+broken plan and its messages at their lines, are files under
+tests/diagnostics/verify/ (run by tests/test_diagnostics.py)."""
 from __future__ import annotations
 
 import os
@@ -9,11 +14,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from remat_ir.ir import (
-    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE, Budget, Instr,
+    BACKWARD, COMPUTE, FREE, GRAD, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE, Budget, Instr,
     Ref, node_inputs,
 )
-from remat_ir.simulate import simulate
-from remat_ir.verify import Diagnostic, needed_bytes, verify
+from remat_ir.check.simulate import simulate
+from remat_ir.check.verify import Diagnostic, needed_bytes, verify
 
 try:  # tests/ as a package, or as a plain directory on sys.path
     from .programs import assign_lines, copy_program, programs, random_program
@@ -307,28 +312,6 @@ def test_recompute_of_a_mutating_node_is_rejected(p, data):
     assert all(e.line == rec.line for e in v.errors), str(v)
 
 
-def test_mutating_node_recompute_vs_random_recompute_same_program():
-    """The same position: a dropout recompute is fine, the buffer update is not."""
-    for seed in range(200):
-        p = random_program(seed, n_forward=12, with_buffer=True)
-        rnd = [n for n in p.nodes if n.random and not n.mutates]
-        pts = _recompute_points(p, rnd[0]) if rnd else []
-        if pts:
-            break
-    else:  # pragma: no cover
-        pytest.fail("no program with a recomputable dropout")
-    sec, i = pts[-1]
-    mut = next(n for n in p.nodes if n.mutates)
-    good, bad = copy_program(p), copy_program(p)
-    for q, node in ((good, rnd[0]), (bad, mut)):
-        lst = q.forward if sec == "forward" else q.backward
-        lst[i:i] = [Instr(RECOMPUTE, node.name)] + [Instr(FREE, o) for o in node.outputs if o]
-        lined(q)
-    check_ok(good)
-    v = verify(bad)
-    assert not v.ok and any("in place" in e.message for e in v.errors)
-
-
 @SETTINGS
 @given(programs(), st.data())
 def test_use_of_an_undeclared_value(p, data):
@@ -374,248 +357,11 @@ def test_budget(p, scope, data):
     assert v.report is not None and v.report.peak_bytes == steady.peak_bytes  # sound, just too big
 
 
-# ----------------------------------------------------------- targeted errors
+# ------------------------------- errors a .rir text cannot show; reporting
 
 
 def _prog(seed=5, **kw):
     return lined(random_program(seed, n_forward=16, **kw))
-
-
-def test_free_of_a_parameter_and_of_a_result():
-    p = _prog()
-    param = next(v.name for v in p.values if v.kind == PARAM)
-    result = next(o.value for o in p.outputs if o.kind == RESULT)
-    p.backward[0:0] = [Instr(FREE, param), Instr(FREE, result)]
-    v = verify(lined(p))
-    assert [e.line for e in v.errors] == [p.backward[0].line, p.backward[1].line]
-    assert "graph inputs live across steps and are never freed" in v.errors[0].message
-    assert "forward result 0, which the caller holds" in v.errors[1].message
-
-
-def test_reading_a_gradient_after_it_was_handed_over():
-    p = _prog()
-    nodes = p.node_map()
-    grads = {o.value: o.key for o in p.outputs if o.kind == GRAD}
-    i = next(i for i, ins in enumerate(p.backward)
-             if ins.kind == COMPUTE and any(o in grads for o in nodes[ins.target].outputs))
-    g = next(o for o in nodes[p.backward[i].target].outputs if o in grads)
-    j = next(j for j in range(i + 1, len(p.backward)) if p.backward[j].kind == COMPUTE)
-    nodes[p.backward[j].target].args.append(Ref(g))
-    v = verify(p)
-    assert [e.line for e in v.errors] == [p.backward[j].line], str(v)
-    assert f"handed to autograd right after line {p.backward[i].line}" in v.errors[0].message
-
-
-def test_freeing_a_gradient_output():
-    p = _prog()
-    g = next(o.value for o in p.outputs if o.kind == GRAD)
-    p.backward.append(Instr(FREE, g))
-    v = verify(lined(p))
-    assert [e.line for e in v.errors] == [p.backward[-1].line]
-    assert "autograd takes it" in v.errors[0].message
-
-
-def test_tangent_read_in_forward():
-    p = _prog()
-    tangent = next(v.name for v in p.values if v.kind == TANGENT)
-    p.node_map()[p.forward[0].target].args.append(Ref(tangent))
-    v = verify(p)
-    assert v.errors and v.errors[0].line == p.forward[0].line
-    assert "tangent" in v.errors[0].message and "start of backward" in v.errors[0].message
-
-
-def test_compute_twice_and_recompute_while_live():
-    p = _prog()
-    c = p.forward[0]
-    p.forward[1:1] = [Instr(COMPUTE, c.target), Instr(RECOMPUTE, c.target)]
-    v = verify(lined(p))
-    assert [e.line for e in v.errors] == [p.forward[1].line, p.forward[2].line], str(v)
-    assert f"was already computed at line {c.line}" in v.errors[0].message
-    assert "is still live" in v.errors[1].message
-
-
-def test_forward_node_first_computed_in_backward():
-    p = _prog()
-    nodes = p.node_map()
-    i = max(i for i, ins in enumerate(p.forward) if ins.kind == COMPUTE and not nodes[ins.target].mutates)
-    c = p.forward.pop(i)
-    outs = [o for o in nodes[c.target].outputs if o]
-    # Keep the frees that followed it consistent: move them too.
-    moved = [c]
-    while i < len(p.forward) and p.forward[i].kind == FREE and p.forward[i].target in outs:
-        moved.append(p.forward.pop(i))
-    p.backward[0:0] = moved
-    v = verify(lined(p))
-    assert any(e.line == c.line and "is a forward node but is first computed in the backward" in e.message
-               for e in v.errors), str(v)
-
-
-def test_backward_node_in_forward():
-    p = _prog()
-    c = next(ins for ins in p.backward if ins.kind == COMPUTE)
-    p.forward.append(Instr(COMPUTE, c.target))
-    v = verify(lined(p))
-    assert any(e.line == p.forward[-1].line and "is a backward node and cannot run in the forward" in e.message
-               for e in v.errors), str(v)
-
-
-def test_read_of_a_buffer_after_its_in_place_update_is_allowed():
-    """Like `native_batch_norm_backward` reading the running stats that
-    `native_batch_norm` updated: a node after the update in the graph sees the
-    updated data, which is what the graph says."""
-    p = _prog(with_buffer=True)
-    nodes = p.node_map()
-    mut = next(n for n in p.nodes if n.mutates)
-    buf = mut.mutates[0]
-    i = next(i for i, ins in enumerate(p.backward) if ins.kind == COMPUTE)
-    nodes[p.backward[i].target].args.append(Ref(buf))
-    check_ok(p)
-
-
-def test_reader_scheduled_before_the_in_place_update_it_follows():
-    p = _prog(with_buffer=True)
-    nodes = p.node_map()
-    mut = next(n for n in p.nodes if n.mutates)
-    buf = mut.mutates[0]
-    i = next(i for i, ins in enumerate(p.forward) if ins.target == mut.name)
-    # A node after the update (in graph and schedule order) also reads the buffer...
-    j = next(j for j in range(i + 1, len(p.forward)) if p.forward[j].kind == COMPUTE)
-    reader = p.forward[j]
-    nodes[reader.target].args.append(Ref(buf))
-    # ...but the update is now scheduled after it.
-    block = [p.forward[i]] + [ins for ins in p.forward[i + 1:j] if ins.kind == FREE and ins.target == mut.outputs[0]]
-    for ins in block:
-        p.forward.remove(ins)
-    k = p.forward.index(reader)
-    p.forward[k + 1:k + 1] = block
-    v = verify(lined(p))
-    assert any(e.line == reader.line and f"reads {buf} before {mut.name} updates {buf} in place" in e.message
-               for e in v.errors), str(v)
-
-
-def test_reader_scheduled_after_the_in_place_update_it_precedes():
-    p = _prog(with_buffer=True)
-    mut = next(n for n in p.nodes if n.mutates)
-    buf = mut.mutates[0]
-    nodes = p.node_map()
-    i = next(i for i, ins in enumerate(p.forward) if ins.target == mut.name)
-    r = next(i for i, ins in enumerate(p.forward)
-             if ins.kind == COMPUTE and ins.target != mut.name and buf in node_inputs(nodes[ins.target]))
-    assert r < i
-    p.forward.insert(i + 1, p.forward.pop(r))  # the reader now runs after the update
-    v = verify(lined(p))
-    assert not v.ok
-    assert any("updated in place" in e.message for e in v.errors), str(v)
-
-
-def _inplace_dropout(p):
-    """(empty_like, bernoulli_, div_) of an in-place dropout, or None."""
-    for n in p.nodes:
-        if n.op == "aten.bernoulli_.float":
-            e = n.mutates[0]
-            div = next(m for m in p.nodes if m.mutates == [n.outputs[0]])
-            return p.producer_map()[e], n, div
-    return None
-
-
-def _chain_points(p, chain):
-    empty, bern, div = chain
-    vals = p.value_map()
-    e = empty.outputs[0]
-    return [(sec, i) for sec, i, live, computed in _live_before(p)
-            if div.name in computed and all(r in live for r in node_inputs(empty))
-            and not any(vals[x].storage == e for x in live)]
-
-
-def _find_inplace_dropout_program():
-    for seed in range(300):
-        p = random_program(seed, n_forward=12, p_dropout=0.4)
-        chain = _inplace_dropout(p)
-        if chain and _chain_points(p, chain):
-            return p, chain
-    pytest.fail("no program with a recomputable in-place dropout")  # pragma: no cover
-
-
-def test_recompute_of_an_in_place_dropout_on_a_fresh_storage_is_accepted():
-    """bernoulli_ updates its operand in place, but when empty_like was
-    recomputed first the update applies once, to fresh data."""
-    p, (empty, bern, div) = _find_inplace_dropout_program()
-    sec, i = _chain_points(p, (empty, bern, div))[-1]
-    lst = p.forward if sec == "forward" else p.backward
-    e, b, d = empty.outputs[0], bern.outputs[0], div.outputs[0]
-    lst[i:i] = [Instr(RECOMPUTE, empty.name), Instr(RECOMPUTE, bern.name), Instr(FREE, e),
-                Instr(RECOMPUTE, div.name), Instr(FREE, b), Instr(FREE, d)]
-    check_ok(lined(p))
-
-
-def test_recompute_of_an_in_place_dropout_on_the_same_storage_is_rejected():
-    p, (empty, bern, div) = _find_inplace_dropout_program()
-    e, b, d = empty.outputs[0], bern.outputs[0], div.outputs[0]
-    # Keep the temporary (and so its storage) alive instead of recomputing it.
-    free_e = next(ins for ins in p.forward if ins.kind == FREE and ins.target == e)
-    p.forward.remove(free_e)
-    rec = Instr(RECOMPUTE, bern.name)
-    p.backward += [rec, Instr(FREE, e), Instr(FREE, b)]
-    v = verify(lined(p))
-    assert not v.ok
-    assert any(e_.line == rec.line and f"updates {e} in place and already did so" in e_.message
-               and f"recompute {empty.name} first" in e_.message for e_ in v.errors), str(v)
-
-
-def test_recompute_of_a_reader_after_a_later_update_is_rejected():
-    """A node that read the temporary before div_ updated it cannot be
-    recomputed on the updated storage."""
-    p, (empty, bern, div) = _find_inplace_dropout_program()
-    b, d = bern.outputs[0], div.outputs[0]
-    # A reader of bernoulli_'s output placed between bernoulli_ and div_.
-    probe = "probe"
-    from remat_ir.ir import Node, Value
-    bv = p.value_map()[b]
-    p.values.append(Value(probe, VALUE, bv.dtype, list(bv.shape), list(bv.stride), probe,
-                          needed_bytes(bv.shape, bv.stride, bv.dtype)))
-    pos = [n.name for n in p.nodes].index(div.name)
-    p.nodes.insert(pos, Node(probe, "aten.clone.default", [Ref(b)], {}, [probe], FORWARD))
-    k = next(k for k, ins in enumerate(p.forward) if ins.target == div.name)
-    p.forward[k:k] = [Instr(COMPUTE, probe), Instr(FREE, probe)]
-    check_ok(lined(p))
-    k = next(k for k, ins in enumerate(p.forward) if ins.target == div.name)
-    rec = Instr(RECOMPUTE, probe)
-    p.forward[k + 1:k + 1] = [rec, Instr(FREE, probe)]  # after div_, b still live
-    v = verify(lined(p))
-    assert [e.line for e in v.errors] == [rec.line], str(v)
-    assert f"which {div.name} updated in place at line" in v.errors[0].message
-    assert "after probe was first computed" in v.errors[0].message
-
-
-def test_missing_gradient_output():
-    p = _prog()
-    k = next(k for k, o in enumerate(p.outputs) if o.kind == GRAD)
-    key = p.outputs.pop(k).key
-    v = verify(p)
-    assert any(e.message.startswith(f"gradient of {key} is never produced") for e in v.errors), str(v)
-
-
-def test_view_of_a_dead_storage():
-    """A view cannot come back once its storage is gone."""
-    p = _prog(seed=11)
-    vals = p.value_map()
-    nodes = p.node_map()
-    fl = flat(p)
-    for j, (_, _, ins) in enumerate(fl):
-        if ins.kind != COMPUTE:
-            continue
-        node = nodes[ins.target]
-        views = [o for o in node.outputs if o and vals[o].storage != o]
-        if views and node.phase == FORWARD:
-            break
-    else:  # pragma: no cover
-        pytest.skip("no forward view")
-    vnode = node
-    # Compute the view node again at the very end of backward, after everything is freed.
-    p.backward.append(Instr(RECOMPUTE, vnode.name))
-    v = verify(lined(p))
-    assert not v.ok
-    assert any(e.line == p.backward[-1].line for e in v.errors), str(v)
 
 
 def test_graph_consistency_errors():
@@ -668,32 +414,3 @@ def test_verify_a_4000_node_program():
     v = verify(p)
     assert v.ok, v
     assert v.report.peak_bytes == simulate(p).peak_bytes
-
-
-# ---------------------------------------------------------------- text form
-
-
-def test_parsed_program_errors_name_the_text_line():
-    text_mod = pytest.importorskip("remat_ir.text")
-    p = random_program(7, n_forward=20)
-    src = text_mod.format_program(p)
-    q = text_mod.parse_program(src)
-    assert all(ins.line > 0 for ins in q.forward + q.backward)
-    check_ok(q)
-    lines = src.splitlines()
-    # Move the first free of a value read again later to just before that reader.
-    fl = flat(q)
-    for j, (_, _, f) in enumerate(fl):
-        if f.kind != FREE:
-            continue
-        k = next((k for k in range(j) if reads(q, fl[k][2], f.target)), None)
-        if k is not None:
-            break
-    reader = fl[k][2]
-    fl[j][0].remove(f)
-    fl[k][0].insert(fl[k][0].index(reader), f)
-    v = verify(q)
-    assert not v.ok and v.errors[0].line == reader.line
-    assert reader.target in lines[reader.line - 1]
-    assert f"freed at line {f.line}" in v.errors[0].message
-    assert f.target in lines[f.line - 1]

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from remat_ir.interpret import wrap
-from remat_ir.load import load_model
-from remat_ir.trace import trace_module
+from remat_ir.runtime.interpret import wrap
+from remat_ir.runtime.load import load_model
+from remat_ir.trace.tracer import trace_module
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 
-from remat_ir.cli import compile_main, run_main, verify_main
+from remat_ir.cli.commands import compile_main, run_main, verify_main
 
 
 def main(argv=None) -> int:

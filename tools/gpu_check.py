@@ -7,7 +7,7 @@
 
 GPT-2 medium (the built-in "gpt2-medium"), fp32, batch 4 x seq 512, dropout
 on, Adam state allocated (two fp32 moments per parameter, as
-`remat_ir.run.optimizer_state`), `.grad` present.  Rows: eager PyTorch,
+`remat_ir.runtime.run.optimizer_state`), `.grad` present.  Rows: eager PyTorch,
 torch.utils.checkpoint around every block, remat-ir's unoptimized plan, and
 plans optimized at 0.7 / 0.5 / 0.3 of the unoptimized activation peak and at
 the floor.  For each: predicted peak (the simulator) vs measured
@@ -62,25 +62,21 @@ def _log(*a):
 
 def trace_plan(args):
     """The unoptimized plan for the target device, traced on CPU under fake mode."""
-    from remat_ir.bench import retarget_device
-    from remat_ir.load import load_model
-    from remat_ir.simulate import optimizer_state_bytes
-    from remat_ir.trace import trace_module
+    from remat_ir.cli.bench import retarget_device
+    from remat_ir.pipeline import trace
+    from remat_ir.runtime.load import load_model
 
     m = load_model(args.model, batch=args.batch, seq=args.seq, device="cpu", fake=True, seed=args.seed)
-    program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=m.name, fake=True)
+    program = trace(m.module, m.inputs, loss=m.loss, name=m.name, optimizer="adam", fake=True)
     retarget_device(program, args.device)
-    program.header.optimizer = "adam"
-    program.header.optimizer_bytes = optimizer_state_bytes(program, "adam")
-    shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
-    program.header.comment = [f"remat-ir plan: {m.name} ({shape}), gpu_check"]
+    program.header.comment[0] += ", gpu_check"
     return program
 
 
 def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
     """Fill `plans` (tag -> Program) for the missing tags; tag -> reason for
     those that could not be made."""
-    from remat_ir.bench import quiet_stdout
+    from remat_ir.cli.bench import quiet_stdout
 
     failed: dict[str, str] = {}
     if "plan" not in plans:
@@ -91,23 +87,20 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
     todo = [t for t in tags if t != "plan" and t not in plans]
     if not todo:
         return failed
-    try:
-        from remat_ir import optimize as opt
+    from remat_ir.pipeline import CompileStats, fit
 
-        for fn in ("optimize", "floor", "resolve_budget"):
-            if not hasattr(opt, fn):
-                raise ImportError(f"remat_ir.optimize has no {fn}()")
+    try:
+        import remat_ir.optimize  # noqa: F401
     except Exception as e:  # noqa: BLE001
         reason = f"optimizer unavailable: {type(e).__name__}: {str(e).split(' (')[0]}"
         return {t: reason for t in todo}
     for tag in todo:
         t0 = time.perf_counter()
+        stats = CompileStats()
         try:
             with quiet_stdout(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate": the plan is simulated anyway
-                budget = int(opt.floor(base, "activations")) if tag == "floor" else \
-                    int(opt.resolve_budget(base, tag, "activations"))
-                res = opt.optimize(base, budget, scope="activations", time_limit=args.time_limit)
+                warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate": the plan is verified anyway
+                p = fit(base, tag, scope="activations", time_limit=args.time_limit, stats=stats)
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible" and getattr(e, "floor_bytes", None):
                 failed[tag] = f"infeasible: below the floor, {_mib(e.floor_bytes)}"
@@ -115,8 +108,8 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
                 failed[tag] = f"{type(e).__name__}: {e}"
             _log(f"  {tag}: {failed[tag]}")
             continue
-        p = res.program
-        extra = 100 * res.extra_flops / max(res.base_flops, 1)
+        res = stats.optimized
+        extra = 100 * res.extra_cost / max(res.base_cost, 1)
         p.header.comment = list(base.header.comment) + [
             f"budget {tag} (activations): solved in {res.seconds:.1f} s, extra compute {extra:.1f}%"]
         plans[tag] = p
@@ -132,7 +125,7 @@ def manifest_path(args) -> str:
 def load_plans(args, tags) -> tuple[dict, dict]:
     """Plans found in --plans, and the reasons recorded by --compile-only for
     the budgets that have none (e.g. infeasible: below the floor)."""
-    from remat_ir.text import load_plan
+    from remat_ir.ir.files import load_plan
 
     plans, missing = {}, {}
     if not args.plans:
@@ -169,12 +162,12 @@ class Method:
 def run(args, plans: dict, failed: dict) -> list[Method]:
     from torch.utils.checkpoint import checkpoint
 
-    from remat_ir.bench import compare_grads, find_blocks
-    from remat_ir.interpret import wrap
-    from remat_ir.load import load_model
-    from remat_ir.memtrack import measure_step
-    from remat_ir.run import optimizer_state
-    from remat_ir.simulate import simulate
+    from remat_ir.cli.bench import compare_grads, find_blocks
+    from remat_ir.runtime.interpret import wrap
+    from remat_ir.runtime.load import load_model
+    from remat_ir.runtime.memtrack import measure_step
+    from remat_ir.runtime.run import optimizer_state
+    from remat_ir.check.simulate import simulate
 
     dev = torch.device(args.device)
     t0 = time.perf_counter()
@@ -308,7 +301,7 @@ def run(args, plans: dict, failed: dict) -> list[Method]:
 
 
 def report(args, methods: list[Method], wall: float) -> tuple[str, bool, dict]:
-    from remat_ir.run import matches
+    from remat_ir.runtime.run import matches
 
     dev = args.device
     name = torch.cuda.get_device_name(0) if dev == "cuda" and torch.cuda.is_available() else "cpu"
@@ -434,7 +427,7 @@ def _main(argv) -> int:
     if todo:
         failed.update(compile_plans(args, todo, plans))
     if args.compile_only:
-        from remat_ir.text import save_plan
+        from remat_ir.ir.files import save_plan
 
         os.makedirs(args.plans, exist_ok=True)
         for tag, p in plans.items():

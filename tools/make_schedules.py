@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from remat_ir.text import format_program
-from remat_ir.trace import trace_builtin
+from remat_ir.ir.printer import format_program
+from remat_ir.trace.tracer import trace_builtin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "schedules")
@@ -34,7 +34,7 @@ def build(model: str, budget: str | None) -> str:
     program.header.comment = [f"remat-ir golden plan: {model}, default inputs, torch {torch.__version__.split('+')[0]}"
                               + (f", budget {budget} of the activation peak" if budget else "")]
     if budget is not None:
-        from remat_ir.optimize import optimize, resolve_budget
+        from remat_ir.optimize.search import optimize, resolve_budget
 
         program = optimize(program, resolve_budget(program, budget, "activations"), "activations").program
     return format_program(program)

@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from remat_ir import optimize as opt  # noqa: E402
+from remat_ir.optimize import search as opt  # noqa: E402
 from remat_ir.models import GPT, GPTConfig  # noqa: E402
-from remat_ir.optimize import Infeasible, optimize, resolve_budget  # noqa: E402
-from remat_ir.trace import trace_builtin, trace_module  # noqa: E402
+from remat_ir.optimize.search import Infeasible, optimize, resolve_budget  # noqa: E402
+from remat_ir.trace.tracer import trace_builtin, trace_module  # noqa: E402
 
 
 def gpt_no_dropout():
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
                     got[decompose, effort] = r
             fl, dt = solve(p, budget, decompose=False, time_limit=args.flat_limit)
             def rel(r):
-                return "-" if r is None or fl is None or fl.extra_flops == 0 else \
-                    f"{r.extra_flops / fl.extra_flops - 1:+.1%}"
+                return "-" if r is None or fl is None or fl.extra_cost == 0 else \
+                    f"{r.extra_cost / fl.extra_cost - 1:+.1%}"
 
             if fl is None:
                 flat_cell = f"refused ({dt:.0f} s)"

@@ -30,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_ir import optimize as opt  # noqa: E402
-from remat_ir.optimize import Infeasible, fmt_bytes, floor, optimize, unoptimized_peak  # noqa: E402
+from remat_ir.optimize import search as opt  # noqa: E402
+from remat_ir.optimize.search import Infeasible, floor, optimize, unoptimized_peak  # noqa: E402
+from remat_ir.ir.printer import human_bytes  # noqa: E402
 
 
 def cold():
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flat-limit", type=float, default=120.0, help="time limit of each flat solve")
     args = ap.parse_args(argv)
 
-    from remat_ir.trace import trace_builtin
+    from remat_ir.trace.tracer import trace_builtin
 
     fracs = [float(x) for x in args.fractions.split(",")]
     header = (f"{'model':<12} {'budget':>6} {'bytes':>11} {'floor':>11} {'peak':>11} {'recompute':>10} "
@@ -71,10 +72,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         f = floor(p, args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
         t_floor = time.perf_counter() - t0
-        line = (f"{model:<12} {'floor':>6} {'':>11} {fmt_bytes(f):>11} {'':>11} {'':>10} "
+        line = (f"{model:<12} {'floor':>6} {'':>11} {human_bytes(f):>11} {'':>11} {'':>10} "
                 f"{t_floor:>8.1f} {'':>5} {'':>9}  trace {t_trace:.1f} s, "
                 f"{sum(n.phase == 'forward' for n in p.nodes)}/{len(p.nodes)} nodes, "
-                f"unoptimized {fmt_bytes(top)} ({args.scope}); floor = {f / top:.0%}")
+                f"unoptimized {human_bytes(top)} ({args.scope}); floor = {f / top:.0%}")
         print(line, flush=True)
         rows.append(line)
         for frac in fracs:
@@ -92,15 +93,15 @@ def main(argv=None) -> int:
                                          solver=args.solver, effort=args.effort).overhead)
                 milps = [s for s in r.solves if "chain DP" not in s.name]
                 proven = sum(1 for s in milps if s.status == "optimal")
-                line = (f"{model:<12} {frac:>6.2f} {fmt_bytes(budget):>11} {fmt_bytes(f):>11} "
-                        f"{fmt_bytes(r.predicted_peak):>11} {r.overhead:>9.2%} {dt:>8.1f} "
+                line = (f"{model:<12} {frac:>6.2f} {human_bytes(budget):>11} {human_bytes(f):>11} "
+                        f"{human_bytes(r.predicted_peak):>11} {r.overhead:>9.2%} {dt:>8.1f} "
                         f"{len(milps):>5} {f'{proven}/{len(milps)}':>9}  {r.mode}")
                 if args.repeat > 1:
                     line += "  runs: " + " ".join(f"{x:.3%}" for x in runs)
             except Infeasible as e:
                 dt = time.perf_counter() - t0
                 r = None
-                line = (f"{model:<12} {frac:>6.2f} {fmt_bytes(budget):>11} {fmt_bytes(e.floor_bytes):>11} "
+                line = (f"{model:<12} {frac:>6.2f} {human_bytes(budget):>11} {human_bytes(e.floor_bytes):>11} "
                         f"{'-':>11} {'-':>10} {dt:>8.1f} {'':>5} {'':>9}  infeasible")
             if args.gap:
                 cold()
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
                     line += (f"   {fl.overhead:>14.2%} {time.perf_counter() - t1:>7.1f} {g:>8.2%}"
                              + (f" ({st.status})" if st is not None and st.status != "optimal" else ""))
                 except Infeasible as e:
-                    line += f"   {'infeasible':>14} {time.perf_counter() - t1:>7.1f} floor {fmt_bytes(e.floor_bytes)}"
+                    line += f"   {'infeasible':>14} {time.perf_counter() - t1:>7.1f} floor {human_bytes(e.floor_bytes)}"
             print(line, flush=True)
             rows.append(line)
     return 0

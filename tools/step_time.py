@@ -15,7 +15,7 @@ The criteria, each printed as a PASS/FAIL line:
    checkpointing's, and step time lower than checkpointing's.
 
 Everything is measured as `remat-bench` measures it (the functions are
-`remat_ir.bench`'s): memory of the second step (``.grad`` present) with the
+`remat_ir.cli.bench`'s): memory of the second step (``.grad`` present) with the
 storage tracker, gradients of the first step compared bitwise with eager,
 step time the median of ``--steps`` rounds with the methods' order rotated
 each round; a ratio is the median over rounds of the two methods' times in
@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from remat_ir import bench
-from remat_ir.bench import MiB, MethodSpec, Row
-from remat_ir.costs import overhead_text
+from remat_ir.cli import bench
+from remat_ir.cli.bench import MiB, MethodSpec, Row
+from remat_ir.ir.costs import overhead_text
 
 RATIO_LIMIT = 1.10
 

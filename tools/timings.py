@@ -36,11 +36,12 @@ def main(argv=None) -> None:
                                 str(args.batch), "--seq", str(args.seq), "-o", plan, "--quiet"])
         t_verify, rc2 = timed([os.path.join(bindir, "remat-verify"), plan])
 
-        from remat_ir.load import load_model
-        from remat_ir.simulate import simulate
-        from remat_ir.text import format_program, parse_program
-        from remat_ir.trace import trace_module
-        from remat_ir.verify import verify
+        from remat_ir.runtime.load import load_model
+        from remat_ir.check.simulate import simulate
+        from remat_ir.ir.parser import parse_program
+        from remat_ir.ir.printer import format_program
+        from remat_ir.trace.tracer import trace_module
+        from remat_ir.check.verify import verify
 
         rows = [(f"remat-compile {args.model} --fake (process)", t_compile, rc1),
                 ("remat-verify (process)", t_verify, rc2)]

@@ -1,0 +1,289 @@
+"""Memory simulator: the live bytes of every storage over a program's schedule.
+
+This is the single statement of what a schedule costs in memory, shared by
+the optimizer (which must fit a budget), the verifier (which proves it fits)
+and the CLI (which prints predictions).  It models exactly what the
+interpreter and autograd do at run time:
+
+* before the step: parameters, buffers, inputs, optimizer state and, on every
+  step but the first, the `.grad` of each parameter;
+* `compute`/`recompute` allocate the storages their outputs own (a view owns
+  none) on top of everything live, so an op's inputs and outputs coexist;
+* `free` drops a value; its storage is released when no value aliasing it is
+  live any more;
+* at the start of backward autograd allocates the tangents (`ones_like(loss)`);
+* right after the instruction that produces a gradient, the gradient is handed
+  to autograd: with `.grad` present it is added in place and dropped; with
+  `.grad` absent its storage becomes `.grad` (or, when its strides differ from
+  the parameter's, autograd clones it into a fresh storage first);
+* forward results are held by the caller until the step ends.
+
+The peak is taken after each allocation, before the frees that follow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from remat_ir.ir import (
+    BACKWARD, BUFFER, COMPUTE, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
+    DTYPE_BYTES, Program, node_inputs,
+)
+from remat_ir.ir.types import OPTIMIZER_STATES
+
+# Breakdown categories, in the order tables print them.
+PARAMS = "parameters"
+BUFFERS = "buffers"
+INPUTS = "inputs"
+OPTIMIZER = "optimizer state"
+GRADIENTS = "gradients"
+ACTIVATIONS = "activations"
+TEMPORARIES = "temporaries"
+CATEGORIES = (PARAMS, BUFFERS, OPTIMIZER, INPUTS, GRADIENTS, ACTIVATIONS, TEMPORARIES)
+# What `--scope activations` budgets: what the step adds above the state.
+STEP_CATEGORIES = (ACTIVATIONS, TEMPORARIES)
+
+
+class SimulationError(ValueError):
+    """The schedule cannot be simulated (it uses a dead value, ...).
+
+    The verifier gives the precise diagnosis; the simulator only refuses."""
+
+
+@dataclass
+class Event:
+    """One point of the timeline: after instruction `index` of `phase`."""
+
+    phase: str  # "forward", "backward", or "start"
+    index: int  # index into that phase's instruction list (-1 for start points)
+    line: int
+    total: int  # live bytes at this point
+    by_category: dict[str, int]
+
+
+@dataclass
+class MemoryReport:
+    peak_bytes: int
+    peak: Event
+    baseline: dict[str, int]  # bytes before the step starts, by category
+    activation_peak_bytes: int  # max over time of activations + temporaries
+    activation_peak: Event
+    top: list[tuple[str, int]]  # storages live at the peak, largest first
+    timeline: list[Event] = field(repr=False, default_factory=list)
+    peak_step: int = 0  # how many timeline points precede the peak (internal)
+
+    @property
+    def baseline_bytes(self) -> int:
+        return sum(self.baseline.values())
+
+    def scope_peak(self, scope: str) -> int:
+        return self.peak_bytes if scope == "total" else self.activation_peak_bytes
+
+
+def optimizer_state_bytes(program: Program, optimizer: str) -> int:
+    """Bytes of the state `optimizer` keeps for the trainable parameters
+    (`OPTIMIZER_STATES` tensors of each parameter's size)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}")
+    per = OPTIMIZER_STATES[optimizer]
+    return per * sum(v.nbytes for v in program.values if v.kind == PARAM and v.requires_grad)
+
+
+def simulate(program: Program, *, grads_present: bool = True, optim_state_bytes: int | None = None,
+             keep_timeline: bool = False, top_k: int = 8) -> MemoryReport:
+    report = _play(program, grads_present, optim_state_bytes, keep_timeline, None)
+    # The storages live at the peak: a second pass that stops there is cheaper
+    # than snapshotting at every new maximum (forward sets one per compute).
+    try:
+        _play(program, grads_present, optim_state_bytes, False, report.peak_step)
+    except _Stop as stop:
+        report.top = _top(stop.storage_bytes, top_k)
+    return report
+
+
+class _Stop(Exception):
+    def __init__(self, storage_bytes):
+        self.storage_bytes = storage_bytes
+
+
+def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, keep_timeline: bool,
+          stop_at: int | None) -> MemoryReport:
+    values = program.value_map()
+    nodes = program.node_map()
+    phase = {o: n.phase for n in program.nodes for o in n.outputs if o}
+    category = {v.name: _category(v, phase) for v in program.values}
+    opt_bytes = program.header.optim_state_bytes if optim_state_bytes is None else optim_state_bytes
+
+    grad_of: dict[str, list[str]] = {}  # grad value -> keys (param/input names) it is the grad of
+    results: set[str] = set()
+    for o in program.outputs:
+        if o.kind == GRAD:
+            grad_of.setdefault(o.value, []).append(o.key)
+        elif o.kind == RESULT:
+            results.add(o.value)
+
+    cat_bytes = dict.fromkeys(CATEGORIES, 0)
+    storage_bytes: dict[str, int] = {}  # live storage -> bytes
+    storage_cat: dict[str, str] = {}
+    refs: dict[str, int] = {}  # live storage -> number of live values aliasing it
+    live: set[str] = set()
+
+    def alloc(storage: str, nbytes: int, cat: str) -> None:
+        storage_bytes[storage] = nbytes
+        storage_cat[storage] = cat
+        cat_bytes[cat] += nbytes
+
+    def release(storage: str) -> None:
+        cat_bytes[storage_cat.pop(storage)] -= storage_bytes.pop(storage)
+        refs.pop(storage, None)
+
+    def make_live(name: str) -> None:
+        v = values[name]
+        if name in live:
+            raise SimulationError(f"{name} is computed while live")
+        if v.storage == v.name:
+            alloc(v.storage, v.nbytes, category[name])
+        elif v.storage not in storage_bytes:
+            raise SimulationError(f"{name} is a view of {v.storage}, which is not live")
+        refs[v.storage] = refs.get(v.storage, 0) + 1
+        live.add(name)
+
+    def drop(name: str) -> None:
+        if name not in live:
+            raise SimulationError(f"{name} is freed while not live")
+        live.discard(name)
+        s = values[name].storage
+        refs[s] -= 1
+        if refs[s] == 0:
+            release(s)
+
+    # The state that exists before the step: never freed by the schedule.
+    for v in program.values:
+        if v.kind in (PARAM, BUFFER, INPUT):
+            make_live(v.name)
+    if opt_bytes:
+        alloc("<optimizer state>", opt_bytes, OPTIMIZER)
+    grad_targets = [values[k] for o in program.outputs if o.kind == GRAD for k in [o.key]]
+    if grads_present:
+        for v in grad_targets:
+            alloc(f"<{v.name}.grad>", v.nbytes or _dense_bytes(v), GRADIENTS)
+    baseline = dict(cat_bytes)
+
+    timeline: list[Event] = []
+    best = Event("start", -1, 0, sum(cat_bytes.values()), dict(cat_bytes))
+    best_act = Event("start", -1, 0, 0, dict(cat_bytes))
+    step_no = 0
+    peak_step = -1
+
+    def record(phase: str, index: int, line: int) -> None:
+        nonlocal best, best_act, step_no, peak_step
+        step_no += 1
+        if step_no == stop_at:
+            raise _Stop(dict(storage_bytes))
+        total = sum(cat_bytes.values())
+        act = cat_bytes[ACTIVATIONS] + cat_bytes[TEMPORARIES]
+        if keep_timeline or total > best.total or act > best_act.total:
+            ev = Event(phase, index, line, total, dict(cat_bytes))
+            if keep_timeline:
+                timeline.append(ev)
+            if total > best.total:
+                best = ev
+                peak_step = step_no
+            if act > best_act.total:
+                best_act = Event(phase, index, line, act, dict(cat_bytes))
+
+    if stop_at == 0:
+        raise _Stop(dict(storage_bytes))
+
+    for phase, instrs in (("forward", program.forward), ("backward", program.backward)):
+        if phase == "backward":
+            for v in program.values:
+                if v.kind == TANGENT:
+                    make_live(v.name)
+            record(phase, -1, 0)
+        for i, ins in enumerate(instrs):
+            if ins.kind in (COMPUTE, RECOMPUTE):
+                node = nodes.get(ins.target)
+                if node is None:
+                    raise SimulationError(f"unknown node {ins.target}")
+                for name in node_inputs(node):
+                    if name not in live:
+                        raise SimulationError(f"{ins.target} reads {name}, which is not live")
+                for out in node.outputs:
+                    if out:
+                        make_live(out)
+                record(phase, i, ins.line)
+                if phase == "backward":
+                    for out in node.outputs:
+                        if out in grad_of:
+                            _hand_over(out, grad_of[out], values, grads_present, live, refs,
+                                       storage_cat, cat_bytes, alloc, drop, record, i, ins.line)
+            elif ins.kind == FREE:
+                if ins.target in results:
+                    raise SimulationError(f"{ins.target} is a forward result; the caller holds it")
+                drop(ins.target)
+            else:
+                raise SimulationError(f"unknown instruction {ins.kind}")
+
+    return MemoryReport(
+        peak_bytes=best.total, peak=best, baseline=baseline,
+        activation_peak_bytes=best_act.total, activation_peak=best_act,
+        top=[], timeline=timeline, peak_step=max(peak_step, 0),
+    )
+
+
+def _hand_over(out, keys, values, grads_present, live, refs, storage_cat, cat_bytes, alloc, drop,
+               record, index, line) -> None:
+    """Give a gradient to autograd's AccumulateGrad (see the module docstring)."""
+    v = values[out]
+    for key in keys:
+        target = values[key]
+        if grads_present:
+            continue  # `.grad += g`: no allocation
+        if not _obeys_layout_contract(v, target):
+            # AccumulateGrad clones a gradient whose layout differs from the
+            # parameter's; otherwise it steals it, views included.
+            alloc(f"<{key}.grad>", _dense_bytes(target), GRADIENTS)
+            record("backward", index, line)
+        else:
+            # Stolen: the storage lives on as `.grad`.
+            s = v.storage
+            cat_bytes[storage_cat[s]] -= values[s].nbytes
+            storage_cat[s] = GRADIENTS
+            cat_bytes[GRADIENTS] += values[s].nbytes
+            refs[s] += 1  # held by the parameter from now on
+    drop(out)
+
+
+def _obeys_layout_contract(grad, param) -> bool:
+    """torch/csrc/autograd/utils/grad_layout_contract.h, for dense parameters:
+    strides must agree on every dimension longer than 1, and none may be 0."""
+    for size, gs, ps in zip(grad.shape, grad.stride, param.stride):
+        if size != 1 and gs != ps:
+            return False
+        if size == 1 and gs == 0:
+            return False
+    return len(grad.shape) == len(param.shape)
+
+
+def _dense_bytes(v) -> int:
+    n = DTYPE_BYTES.get(v.dtype, 4)
+    for d in v.shape:
+        n *= d
+    return n
+
+
+def _category(v, phase: dict[str, str]) -> str:
+    if v.kind == PARAM:
+        return PARAMS
+    if v.kind == BUFFER:
+        return BUFFERS
+    if v.kind == INPUT:
+        return INPUTS
+    if v.kind == TANGENT:
+        return TEMPORARIES
+    return TEMPORARIES if phase.get(v.name) == BACKWARD else ACTIVATIONS
+
+
+def _top(storage_bytes: dict[str, int], k: int) -> list[tuple[str, int]]:
+    return sorted(((s, b) for s, b in storage_bytes.items() if not s.startswith("<")),
+                  key=lambda t: -t[1])[:k]

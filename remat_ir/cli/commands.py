@@ -1,0 +1,312 @@
+"""Command-line entry points: remat-compile, remat-verify, remat-run.
+
+Each parses its arguments, calls the Python API (`remat_ir.compile` and its
+stages in `remat_ir.pipeline`, `remat_ir.verify`, `remat_ir.runtime.run`),
+and prints.  Exit codes and the error wrapper: `remat_ir.cli.errors` (0
+success; 1 the plan is unsound / gradients differ; 2 bad input, one line
+saying what and where, never a traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import time
+
+from remat_ir.cli.errors import EXIT_FAIL, EXIT_INPUT, EXIT_OK, CliError, run_cli
+
+__all__ = ["EXIT_FAIL", "EXIT_INPUT", "EXIT_OK", "CliError", "bench_main", "compile_main", "run_main",
+           "show_main", "verify_main"]
+
+
+# ------------------------------------------------------------------ compile
+
+
+def compile_main(argv=None) -> int:
+    return run_cli("remat-compile", _compile, argv)
+
+
+def _compile_parser() -> argparse.ArgumentParser:
+    from remat_ir.models import describe_builtins
+
+    p = argparse.ArgumentParser(
+        prog="remat-compile", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Trace one training step of MODEL into a .rir plan (and optimize it for a budget).",
+        epilog="MODEL is a .py file defining build() -> (module, example_inputs) and optionally "
+               "loss(output, *inputs), or a built-in name.\n" + describe_builtins())
+    p.add_argument("model")
+    p.add_argument("-o", "--output", required=True, help="plan file to write (.rir)")
+    p.add_argument("--fake", action="store_true", help="plan without allocating (FakeTensorMode)")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where to build the model; the plan is for the device it is built on")
+    p.add_argument("--optimizer", default="none", choices=["none", "sgd", "adam"],
+                   help="optimizer whose state the prediction and the total budget include")
+    p.add_argument("--budget", help="memory budget: bytes, 1.5GiB, 800MB, a fraction (0.5) of the "
+                                    "unoptimized peak in --scope, or floor (the smallest peak reachable)")
+    p.add_argument("--scope", default="total", choices=["total", "activations"])
+    p.add_argument("--solver", default="HIGHS")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per optimizer solve "
+                                                                    "(per budget with --pareto)")
+    p.add_argument("--effort", default="fast", choices=["fast", "full"],
+                   help="fast: each per-block MILP stops after about a second with its best plan, so "
+                        "plans can vary with machine load; full: each runs to optimality (slower; the "
+                        "same plan on every machine unless --time-limit stops it)")
+    p.add_argument("--cost", default="flops", choices=["flops", "profile"],
+                   help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
+                        "measured on --device (needs real tensors: not with --fake)")
+    p.add_argument("--profile-repeats", type=int, default=5, metavar="N",
+                   help="with --cost profile: timed runs per op (the median is kept)")
+    p.add_argument("--pareto", action="store_true",
+                   help="also optimize for budgets from the unoptimized peak down to the floor: print "
+                        "a table and plot predicted peak vs extra compute. The plan written is the "
+                        "one for --budget, or the unoptimized plan without --budget")
+    p.add_argument("--pareto-points", type=int, default=None, metavar="N",
+                   help=f"budgets in the sweep, both ends included (default {_PARETO_POINTS}); "
+                        "implies --pareto")
+    p.add_argument("--pareto-png", metavar="FILE",
+                   help="where to draw the sweep (default: next to -o, <stem>.pareto.png); implies --pareto")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+_PARETO_POINTS = 8
+
+
+def _pareto_png(args) -> str:
+    """Where the sweep's plot goes; refuses, before any work, a place it cannot be written."""
+    if args.pareto_png:
+        path = args.pareto_png
+    else:
+        root, ext = os.path.splitext(args.output)
+        path = (root if ext == ".rir" else args.output) + ".pareto.png"
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise CliError(f"cannot write {path}: no directory {d}")
+    if os.path.isdir(path):
+        raise CliError(f"cannot write {path}: it is a directory")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--pareto draws its plot with matplotlib: pip install matplotlib")
+    return path
+
+
+def _compile(argv) -> int:
+    args = _compile_parser().parse_args(argv)
+    import remat_ir
+    from remat_ir.cli.report import breakdown
+    from remat_ir.ir.costs import overhead_text
+    from remat_ir.ir.printer import with_lines
+    from remat_ir.pipeline import BudgetError, CompileStats, UnsoundPlan, budget_bytes, fit, trace
+    from remat_ir.runtime.load import load_model
+
+    # Flags are checked before any work, so a typo fails in a second.
+    if args.cost == "profile" and args.fake:
+        raise CliError("--cost profile times each op on real tensors, and --fake tensors have no data "
+                       "to run on: drop --fake, or use --cost flops")
+    if args.profile_repeats < 1:
+        raise CliError(f"--profile-repeats must be at least 1, not {args.profile_repeats}")
+    pareto = args.pareto or args.pareto_points is not None or args.pareto_png is not None
+    points = _PARETO_POINTS if args.pareto_points is None else args.pareto_points
+    if pareto and points < 2:
+        raise CliError(f"--pareto-points must be at least 2 (the unoptimized peak and the floor), not {points}")
+    png = _pareto_png(args) if pareto else None
+    if pareto or args.budget is not None:
+        from remat_ir.optimize.milp import installed_solvers
+
+        if args.solver.upper() not in installed_solvers():
+            raise CliError(f"--solver {args.solver} is not installed; installed MILP solvers: "
+                           f"{', '.join(installed_solvers())}")
+    say = (lambda *a: None) if args.quiet else print
+
+    t0 = time.perf_counter()
+    model = load_model(args.model, batch=args.batch, seq=args.seq, device=args.device, fake=args.fake)
+    t_load = time.perf_counter() - t0
+    stats = CompileStats()
+    step = dict(loss=model.loss, name=model.name, optimizer=args.optimizer, fake=args.fake, cost=args.cost,
+                profile_repeats=args.profile_repeats)
+    solve = dict(scope=args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
+    rows = None
+    try:
+        if not pareto:
+            program = remat_ir.compile(model.module, model.inputs, budget=args.budget, **step, **solve,
+                                       stats=stats)
+        else:
+            program = trace(model.module, model.inputs, **step, stats=stats)
+            # Resolved before the sweep so a mistyped budget fails in a second, not after it.
+            budget = None if args.budget is None else budget_bytes(program, args.budget, **solve)
+            rows, t_sweep = _sweep(program, args, points, say)
+            program = fit(program, budget, **solve, stats=stats)
+    except BudgetError as e:
+        raise CliError(f"--budget: {e}") from e
+    except UnsoundPlan as e:
+        raise CliError(f"internal error: {e}", EXIT_FAIL) from e
+    notes = []
+    if "profile" in stats.seconds:
+        notes.append(f"profiled {len(program.nodes)} ops in {stats.seconds['profile']:.1f} s")
+    if rows is not None:
+        notes.append(f"swept {len(rows)} budgets in {t_sweep:.1f} s")
+    if stats.optimized is not None:
+        notes.append(f"optimized in {stats.seconds['optimize']:.1f} s: {overhead_text(program)}")
+    if rows is not None:
+        from remat_ir.optimize.pareto import plot
+
+        title = (f"{program.header.model or 'plan'}: predicted "
+                 f"{'activation' if args.scope == 'activations' else 'total'} peak vs extra compute")
+        try:
+            plot(rows, png, title=title, scope=args.scope)
+        except ValueError as e:
+            raise CliError(str(e)) from e
+        notes.append(f"wrote {png}")
+    remat_ir.save_plan(program, args.output)
+    if not args.quiet:
+        if rows is not None:
+            print()
+        # Line numbers of the file just written, so the summary points into it.
+        program = with_lines(program)
+        verdict = remat_ir.verify(program)
+        print(breakdown(program, verdict.report, verdict.report_first_step))
+        t_trace = t_load + stats.seconds["trace"]
+        print("; ".join([f"traced in {t_trace:.1f} s", f"wrote {args.output}"] + notes))
+    return EXIT_OK
+
+
+def _sweep(program, args, points: int, say) -> tuple[list, float]:
+    """The --pareto table, printed row by row as each budget is solved; the
+    rows and the seconds the sweep took."""
+    from remat_ir.optimize.pareto import format_columns, format_row, sweep, table_header
+
+    t0 = time.perf_counter()
+    say(table_header(program, args.scope))
+    say(format_columns())
+    # The same program object for every budget: the optimizer reuses its planner.
+    rows = sweep(program, args.scope, points=points, time_limit=args.time_limit, solver=args.solver,
+                 effort=args.effort, progress=lambda r: say(format_row(r)))
+    return rows, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------- verify
+
+
+def verify_main(argv=None) -> int:
+    return run_cli("remat-verify", _verify, argv)
+
+
+def _verify(argv) -> int:
+    p = argparse.ArgumentParser(prog="remat-verify", description="Prove a .rir plan sound and within budget.")
+    p.add_argument("plan")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    import remat_ir
+    from remat_ir.cli.report import breakdown
+
+    program = remat_ir.load_plan(args.plan)
+    verdict = remat_ir.verify(program)
+    if args.json:
+        out = {"ok": verdict.ok, "errors": [{"line": d.line, "message": d.message} for d in verdict.errors]}
+        if verdict.report is not None:
+            out["predicted_peak_bytes"] = verdict.report.peak_bytes
+            out["predicted_first_step_peak_bytes"] = verdict.report_first_step.peak_bytes
+            out["activation_peak_bytes"] = verdict.report.activation_peak_bytes
+        print(json.dumps(out))
+        return EXIT_OK if verdict.ok else EXIT_FAIL
+    if not verdict.ok:
+        for d in verdict.errors:
+            print(f"{args.plan}:{d}")
+        print(f"remat-verify: {args.plan}: UNSOUND ({len(verdict.errors)} error"
+              f"{'s' if len(verdict.errors) != 1 else ''})")
+        return EXIT_FAIL
+    print(breakdown(program, verdict.report, verdict.report_first_step))
+    print(f"remat-verify: {args.plan}: sound")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- run
+
+
+def run_main(argv=None) -> int:
+    return run_cli("remat-run", _run, argv)
+
+
+def _run(argv) -> int:
+    p = argparse.ArgumentParser(prog="remat-run", description="Run training steps through a plan; "
+                                "compare predicted and measured peak memory, and step time with eager.")
+    p.add_argument("plan")
+    p.add_argument("model")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--check", action="store_true", help="compare every gradient with eager PyTorch")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    import remat_ir
+    from remat_ir.ir.printer import human_bytes
+    from remat_ir.pipeline import plan_device
+    from remat_ir.runtime.load import load_model
+    from remat_ir.runtime.run import run_plan
+
+    program = remat_ir.load_plan(args.plan)
+    verdict = remat_ir.verify(program)
+    if not verdict.ok:
+        raise CliError(f"{args.plan} does not verify; run remat-verify {args.plan}", EXIT_FAIL)
+    try:
+        device = plan_device(program, args.device)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    shapes = {v.name: v.shape for v in program.values if v.kind == "input"}
+    model = load_model(args.model, batch=args.batch, seq=args.seq, device=device, seed=args.seed)
+    r = run_plan(program, model, steps=args.steps, device=device, check=args.check, seed=args.seed)
+    ok_mem = r.within_tolerance()
+    if args.json:
+        print(json.dumps({
+            "device": device,
+            "predicted_peak_bytes": r.predicted.peak_bytes,
+            "measured_peak_bytes": r.measured_peak,
+            "predicted_first_step_peak_bytes": r.predicted_first.peak_bytes,
+            "measured_first_step_peak_bytes": r.measured_first_peak,
+            "predicted_activation_peak_bytes": r.predicted.activation_peak_bytes,
+            "memory_within_tolerance": ok_mem,
+            "grads_match": r.grads_match,
+            "max_abs_grad_diff": r.max_abs_grad_diff,
+            "step_time_s": r.step_time,
+            "eager_step_time_s": r.eager_step_time,
+            "steps": args.steps,
+            "input_shapes": shapes,
+        }))
+    else:
+        print(f"{'step':<28}{'predicted':>12}{'measured':>12}{'diff':>10}")
+        for label, pr, me in (("first (no .grad)", r.predicted_first.peak_bytes, r.measured_first_peak),
+                              ("later (.grad present)", r.predicted.peak_bytes, r.measured_peak)):
+            print(f"{label:<28}{human_bytes(pr):>12}{human_bytes(me):>12}"
+                  f"{100 * (me - pr) / max(pr, 1):>9.2f}%")
+        print("measured before the step: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in r.measured_baseline.items()))
+        print("predicted at the peak:     " + ", ".join(f"{k} {human_bytes(v)}"
+                                                   for k, v in r.predicted.peak.by_category.items() if v))
+        print(f"step time: {1e3 * r.step_time:.2f} ms (eager {1e3 * r.eager_step_time:.2f} ms, "
+              f"ratio {r.step_time / r.eager_step_time:.3f}), median of {args.steps}")
+        if r.checks:
+            for c in r.checks:
+                print(f"check step {c.step}: loss {'equal' if c.loss_equal else 'DIFFERS'}, gradients "
+                      f"{'bitwise equal' if c.grads_equal else f'DIFFER (max abs {c.max_abs_grad_diff:.3g} at {c.worst})'}")
+        print(f"memory prediction {'within' if ok_mem else 'OUTSIDE'} 1% + 1 MiB")
+    if args.check and not r.grads_match:
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+# ------------------------------------------------------------ show, bench
+
+
+def show_main(argv=None) -> int:
+    from remat_ir.cli.show import main
+
+    return main(argv)
+
+
+def bench_main(argv=None) -> int:
+    from remat_ir.cli.bench import main
+
+    return main(argv)

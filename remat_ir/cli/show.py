@@ -1,0 +1,289 @@
+"""remat-show: what a plan's memory looks like over its schedule.
+
+    remat-show PLAN.rir                 text: the peak, where it occurs, what is live
+                                        there, and what the plan recomputes
+    remat-show PLAN.rir --png FILE      the memory timeline as a picture
+
+The timeline is the simulator's (`remat_ir.simulate`): live bytes right after
+each instruction's allocation, by category, in the steady state (`.grad`
+present; `--first-step` for the first step, without `.grad`).
+
+Exit codes: 0 shown; 1 the plan cannot be simulated (run remat-verify);
+2 bad input (unreadable plan, missing matplotlib for --png).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
+from remat_ir.ir.printer import human_bytes
+
+# Category colours for the stacked timeline (simulate.CATEGORIES order).
+COLORS = {
+    "parameters": "#4c72b0",
+    "buffers": "#8172b3",
+    "optimizer state": "#937860",
+    "inputs": "#64b5cd",
+    "gradients": "#dd8452",
+    "activations": "#55a868",
+    "temporaries": "#c44e52",
+}
+
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def _unit(nbytes: float) -> tuple[str, int]:
+    """The unit `human_bytes` writes `nbytes` in, and its size in bytes: the
+    plot's axis is in the unit its labels use."""
+    unit = human_bytes(nbytes).rsplit(" ", 1)[1]
+    return unit, 1024 ** _BINARY_UNITS.index(unit)
+
+
+def _x(program, ev) -> float:
+    """Position of a timeline event on the instruction axis: forward
+    instructions first, then backward ones."""
+    if ev.phase == "forward":
+        return float(ev.index)
+    if ev.phase == "backward":
+        return float(len(program.forward) + ev.index) if ev.index >= 0 else len(program.forward) - 0.5
+    return -1.0
+
+
+def _producers(program) -> dict[str, object]:
+    return program.producer_map()
+
+
+def _describe_storage(program, name: str) -> str:
+    """`transformer.h.0.attn.softmax f32[4,4,128,128]` for a storage name."""
+    v = program.value_map().get(name)
+    if v is None:
+        return name
+    from remat_ir.ir import DTYPE_SHORT
+
+    return f"{name} {DTYPE_SHORT.get(v.dtype, v.dtype)}[{','.join(map(str, v.shape))}]"
+
+
+def recompute_summary(program) -> tuple[list[tuple[str, str, float, int]], float, float]:
+    """[(phase, node, flops, line)] of every recompute, the extra FLOPs, and
+    the FLOPs of the step without recomputation."""
+    nodes = program.node_map()
+    rows = []
+    for phase, instrs in (("forward", program.forward), ("backward", program.backward)):
+        for ins in instrs:
+            if ins.kind == "recompute":
+                n = nodes.get(ins.target)
+                rows.append((phase, ins.target, float(n.flops) if n is not None else 0.0, ins.line))
+    extra = sum(r[2] for r in rows)
+    base = sum(float(n.flops) for n in program.nodes)
+    return rows, extra, base
+
+
+def _pct(part: float, whole: float) -> str:
+    p = 100 * part / max(whole, 1)
+    return f"{p:.1f}%" if p >= 0.1 or p == 0 else f"{p:.2g}%"
+
+
+def _flops(x: float) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if x >= size:
+            return f"{x / size:.2f} {unit}"
+    return f"{x:.0f} FLOP"
+
+
+def text_summary(program, report, *, first_step: bool = False, top: int = 6, max_ops: int = 15) -> str:
+    from remat_ir.cli.report import where
+    from remat_ir.check.simulate import CATEGORIES, STEP_CATEGORIES
+
+    h = program.header
+    lines = []
+    n_params = sum(_numel(v.shape) for v in program.values if v.kind == "param")
+    lines.append(f"plan: model {h.model or '?'}, {len(program.nodes)} ops, "
+                 f"{len(program.forward)} + {len(program.backward)} instructions, device {h.device}, "
+                 f"{n_params / 1e6:.2f} M parameters, optimizer {h.optim}")
+    state = "first step (no .grad)" if first_step else "steady state (.grad present)"
+    lines.append(f"predicted peak, {state}: {human_bytes(report.peak_bytes)} at "
+                 f"{where(program, report.peak)}, in {report.peak.phase}")
+    lines.append(f"activation peak (activations + temporaries): {human_bytes(report.activation_peak_bytes)} at "
+                 f"{where(program, report.activation_peak)}")
+    lines.append(f"before the step: {human_bytes(report.baseline_bytes)}")
+    if h.budget is not None:
+        used = report.scope_peak(h.budget.scope)
+        lines.append(f"budget ({h.budget.scope}): {human_bytes(h.budget.bytes)}, predicted "
+                     f"{human_bytes(used)}, slack {human_bytes(h.budget.bytes - used)}")
+    else:
+        lines.append("budget: none")
+    lines.append("at the peak:")
+    for cat in CATEGORIES:
+        b = report.peak.by_category.get(cat, 0)
+        if b or cat in STEP_CATEGORIES:
+            lines.append(f"  {cat:<17}{human_bytes(b):>12}")
+    tensors = step_tensors(program, report)
+    if tensors:
+        lines.append("largest step tensors live at the peak (parameters and other state excluded):")
+        prod = _producers(program)
+        for name, nb in tensors[:top]:
+            n = prod.get(name)
+            mod = f"  ({n.op.split('.')[1]} in {n.module})" if n is not None and n.module else ""
+            lines.append(f"  {human_bytes(nb):>10}  {_describe_storage(program, name)}{mod}")
+    rows, extra, base = recompute_summary(program)
+    if rows:
+        lines.append(f"recomputed ops: {len(rows)}, extra compute {_flops(extra)} = "
+                     f"{_pct(extra, base)} of the step's {_flops(base)}")
+        for phase, name, fl, line in sorted(rows, key=lambda r: -r[2])[:max_ops]:
+            at = f"line {line}" if line else phase
+            lines.append(f"  {_flops(fl):>12}  {name}  ({at})")
+        if len(rows) > max_ops:
+            rest = sum(r[2] for r in sorted(rows, key=lambda r: -r[2])[max_ops:])
+            lines.append(f"  ... and {len(rows) - max_ops} more ({_flops(rest)})")
+    else:
+        lines.append(f"recomputed ops: none (step compute {_flops(base)})")
+    return "\n".join(lines)
+
+
+def timeline_png(program, report, path: str, *, title: str = "", first_step: bool = False,
+                 top: int = 4) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from remat_ir.check.simulate import CATEGORIES
+
+    tl = report.timeline
+    if not tl:
+        raise CliError("the plan has no instructions to plot", EXIT_FAIL)
+    unit, size = _unit(max(report.peak_bytes, 1))
+    xs = [_x(program, ev) for ev in tl]
+    cats = [c for c in CATEGORIES if any(ev.by_category.get(c, 0) for ev in tl)]
+    ys = [[ev.by_category.get(c, 0) / size for ev in tl] for c in cats]
+
+    fig, ax = plt.subplots(figsize=(14, 6), dpi=110)
+    fig.subplots_adjust(left=0.055, right=0.70, top=0.93, bottom=0.09)
+    ax.stackplot(xs, ys, labels=cats, colors=[COLORS.get(c, "gray") for c in cats], step="post",
+                 alpha=0.9, linewidth=0)
+    n_fwd = len(program.forward)
+    ax.axvline(n_fwd - 0.5, color="black", lw=1, ls=":")
+    ymax = report.peak_bytes / size
+    # Budget line, comparable with the stacked totals.
+    b = program.header.budget
+    if b is not None:
+        if b.scope == "activations":
+            y = (b.bytes + report.baseline_bytes) / size
+            blabel = f"budget: {human_bytes(b.bytes)} activations + {human_bytes(report.baseline_bytes)} state"
+        else:
+            y = b.bytes / size
+            blabel = f"budget: {human_bytes(b.bytes)} total"
+        ax.axhline(y, color="crimson", lw=1.5, ls="--", label=blabel)
+        ymax = max(ymax, y)
+    # Recomputations: ticks along the bottom.
+    rec = [i for i, ins in enumerate(program.forward) if ins.kind == "recompute"]
+    rec += [n_fwd + i for i, ins in enumerate(program.backward) if ins.kind == "recompute"]
+    if rec:
+        ax.plot(rec, [0] * len(rec), "|", color="black", ms=10, mew=0.8, clip_on=False,
+                label=f"recompute ({len(rec)})")
+    # The peak, and what is live there (beside the plot, with the legend).
+    px, py = _x(program, report.peak), report.peak_bytes / size
+    ax.plot([px], [py], "v", color="black", ms=9, zorder=5)
+    ax.annotate(f"peak {human_bytes(report.peak_bytes)}", xy=(px, py), xytext=(0, 8),
+                textcoords="offset points", ha="center", va="bottom", fontsize=9, fontweight="bold",
+                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
+    from remat_ir.cli.report import where
+
+    names = [f"{human_bytes(nb):>10}  {_short(_describe_storage(program, name), 50)}"
+             for name, nb in step_tensors(program, report)[:top]]
+    txt = f"peak {human_bytes(report.peak_bytes)} at\n{_short(where(program, report.peak), 58)}"
+    if names:
+        txt += "\n\nlargest step tensors live there:\n" + "\n".join(names)
+    rows, extra, base = recompute_summary(program)
+    if rows:
+        txt += f"\n\nrecomputed ops: {len(rows)}, +{_pct(extra, base)} compute"
+    fig.text(0.712, 0.45, txt, ha="left", va="top", fontsize=7.5, family="monospace",
+             bbox=dict(boxstyle="round", fc="white", ec="gray", alpha=0.95))
+    top_y = ymax * 1.12
+    ax.set_ylim(0, top_y)
+    ax.set_xlim(-1, n_fwd + len(program.backward))
+    ax.text(n_fwd - 0.5, top_y * 0.985, "forward \u2190 ", ha="right", va="top", fontsize=9, color="dimgray")
+    ax.text(n_fwd - 0.5, top_y * 0.985, " \u2192 backward", ha="left", va="top", fontsize=9, color="dimgray")
+    ax.set_xlabel("instruction (forward, then backward)")
+    ax.set_ylabel(f"live memory ({unit})")
+    h = program.header
+    state = "first step, no .grad" if first_step else "steady state, .grad present"
+    ax.set_title(title or f"remat-ir plan {h.model or ''}: predicted memory timeline ({state})")
+    handles, labels = ax.get_legend_handles_labels()
+    # Stack order top-down in the legend, like the picture.
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              framealpha=0.95)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def step_tensors(program, report) -> list[tuple[str, int]]:
+    """The storages live at the peak that the step made (activations and
+    temporaries: not parameters, buffers or inputs), largest first."""
+    kinds = {v.name: v.kind for v in program.values}
+    return [(s, b) for s, b in report.top if kinds.get(s) in ("value", "tangent")]
+
+
+def _short(s: str, n: int) -> str:
+    return s if len(s) <= n else "..." + s[-(n - 3):]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remat-show", description="Show a .rir plan's predicted memory: "
+                                "the peak and what makes it, the recomputations, or (--png) the timeline.")
+    p.add_argument("plan", help="plan file (.rir)")
+    p.add_argument("--png", help="write the memory timeline to this PNG file")
+    p.add_argument("--first-step", action="store_true", help="the first step (no .grad yet) instead of "
+                                                             "the steady state")
+    p.add_argument("--top", type=int, default=6, help="how many of the largest tensors to name")
+    return p
+
+
+def _run(argv) -> int:
+    args = build_parser().parse_args(argv)
+    from remat_ir.check.simulate import SimulationError, simulate
+    from remat_ir.ir.files import load_plan
+
+    try:
+        program = load_plan(args.plan)
+    except (OSError, ValueError) as e:  # RirSyntaxError is a ValueError
+        raise CliError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+    except Exception as e:  # noqa: BLE001 - whatever the parser raises: one line
+        raise CliError(f"{args.plan}: cannot read the plan: {type(e).__name__}: {e}") from e
+    try:
+        # top_k covers every storage: the state is filtered out afterwards.
+        report = simulate(program, grads_present=not args.first_step, keep_timeline=True,
+                          top_k=len(program.values))
+    except (SimulationError, KeyError) as e:
+        raise CliError(f"{args.plan}: the plan cannot be simulated ({e}); run remat-verify {args.plan}",
+                        EXIT_FAIL) from e
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise CliError("--png needs matplotlib (pip install matplotlib)") from e
+        timeline_png(program, report, args.png, first_step=args.first_step, top=min(args.top, 5))
+        from remat_ir.cli.report import where
+
+        print(f"wrote {args.png}: peak {human_bytes(report.peak_bytes)} at {where(program, report.peak)}")
+    else:
+        print(text_summary(program, report, first_step=args.first_step, top=args.top))
+    return EXIT_OK
+
+
+def main(argv=None) -> int:
+    return run_cli("remat-show", _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

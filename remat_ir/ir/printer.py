@@ -1,0 +1,327 @@
+"""Print a `Program` as canonical `.rir` text (the format: `remat_ir.ir.syntax`).
+
+    format_program(program) -> str          canonical text
+    with_lines(program) -> Program          Instr.line / Output.line as printed
+    human_bytes(n) -> str                   "512 B", "64.0 KiB", "1.32 GiB"
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from remat_ir.ir import types as ir
+from remat_ir.ir.types import (
+    BACKWARD, FORWARD, FREE, RESULT, VALUE, Device, DType, Instr, Layout, MemoryFormat, Node, Output,
+    Program, Ref, Seq, Special, Value,
+)
+from remat_ir.ir.syntax import (
+    DEVICE_BARE_RE, ESCAPE_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SPECIALS,
+)
+
+__all__ = ["format_program", "with_lines", "human_bytes"]
+
+
+# ------------------------------------------------------------ small helpers
+
+
+def human_bytes(n: int | float) -> str:
+    """512 B, 64.0 KiB, 1.32 GiB: three significant digits above 1 KiB."""
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < 1024:
+        return f"{sign}{n} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        x /= 1024.0
+        if x < 1024 or unit == "PiB":
+            break
+    return f"{sign}{x:.2f} {unit}" if x < 10 else f"{sign}{x:.1f} {unit}"
+
+
+def _quote(s: str) -> str:
+    q = json.dumps(s, ensure_ascii=False)
+    if ESCAPE_RE.search(q):
+        q = ESCAPE_RE.sub(lambda m: "\\u%04x" % ord(m.group()), q)
+    return q
+
+
+def _bare_ok(s: str) -> bool:
+    return (NAME_RE.fullmatch(s) is not None and s not in RESERVED
+            and not s.startswith("torch."))
+
+
+def _ref(name: str) -> str:
+    return name if _bare_ok(name) else "%" + _quote(name)
+
+
+def _word(s: str) -> str:
+    # Where a word stands (source, module, device, ...) no keyword can, so
+    # only the spelling matters.
+    return s if NAME_RE.fullmatch(s) else _quote(s)
+
+
+def _hcomment(c: str) -> str:
+    if c == "":
+        return "#|"
+    if c.isprintable() and c[0] not in ' "' and not c[-1].isspace():
+        return "#| " + c
+    return "#|" + _quote(c)
+
+
+def _type(dtype: str, shape: list[int]) -> str:
+    return f"{ir.DTYPE_SHORT.get(dtype, dtype)}[{','.join(str(d) for d in shape)}]"
+
+
+def _arg(a: Any) -> str:
+    if a is None:
+        return "none"
+    if a is True:
+        return "true"
+    if a is False:
+        return "false"
+    t = type(a)
+    if t is Ref:
+        return _ref(a.name)
+    if t is int:
+        return str(a)
+    if t is float:
+        if math.isfinite(a):
+            return repr(a)
+        return "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")
+    if t is str:
+        return _quote(a)
+    if t is Seq:
+        return "[" + ", ".join([_arg(x) for x in a.items]) + "]"
+    if t is DType or t is Layout or t is MemoryFormat:
+        return "torch." + a.name
+    if t is Device:
+        return f"device({a.name if DEVICE_BARE_RE.fullmatch(a.name) else _quote(a.name)})"
+    if t is Special:
+        if a.name not in SPECIALS:
+            raise ValueError(f"cannot print Special({a.name!r}): expected one of {SPECIALS}")
+        return a.name
+    if isinstance(a, bool):
+        return "true" if a else "false"
+    if isinstance(a, int):
+        return str(int(a))
+    if isinstance(a, float):
+        return _arg(float(a))
+    if isinstance(a, str):
+        return _quote(str(a))
+    raise ValueError(f"cannot print argument {a!r} of type {type(a).__name__}")
+
+
+def _decl(v: Value) -> str:
+    parts = [_type(v.dtype, v.shape)]
+    if list(v.stride) != ir.contiguous_stride(list(v.shape)):
+        parts.append(f"stride [{','.join(str(s) for s in v.stride)}]")
+    if v.storage == v.name:
+        parts.append(f"{v.nbytes} bytes")
+    else:
+        parts.append(f"view of {_ref(v.storage)}")
+        if v.nbytes:
+            parts.append(f"{v.nbytes} bytes")
+    if v.source:
+        parts.append(f"source {_word(v.source)}")
+    if v.requires_grad:
+        parts.append("requires_grad")
+    if v.aliases:
+        parts.append("aliases [" + ", ".join(_word(a) for a in v.aliases) + "]")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------- printing
+
+
+def _inline_values(program: Program) -> set[str]:
+    """Names of values declared on node lines rather than under `values`.
+
+    The parser rebuilds `Program.values` as the `values` lines followed by the
+    node-line declarations in graph order, so the node-line ones must be a
+    suffix of `program.values` that is a subsequence of the node outputs in
+    graph order.  Take the longest such suffix (greedy from the end).
+    """
+    first_outputs: list[str] = []
+    seen: set[str] = set()
+    for n in program.nodes:
+        for o in n.outputs:
+            if o and o not in seen:
+                seen.add(o)
+                first_outputs.append(o)
+    pos = {name: i for i, name in enumerate(first_outputs)}
+    names = [v.name for v in program.values]
+    if len(set(names)) != len(names):
+        counts: dict[str, int] = {}
+        for n in names:
+            counts[n] = counts.get(n, 0) + 1
+    else:
+        counts = {}
+    inline: set[str] = set()
+    limit = len(first_outputs)
+    for v in reversed(program.values):
+        i = pos.get(v.name)
+        if v.kind != VALUE or i is None or i >= limit or counts.get(v.name, 1) > 1:
+            break
+        inline.add(v.name)
+        limit = i
+    return inline
+
+
+class _Printer:
+    def __init__(self, program: Program):
+        self.p = program
+        self.lines: list[str] = []
+        self.fwd_lines: list[int] = []
+        self.bwd_lines: list[int] = []
+        self.out_lines: list[int] = []
+
+    def emit(self, s: str) -> int:
+        self.lines.append(s)
+        return len(self.lines)
+
+    def run(self) -> list[str]:
+        p = self.p
+        h = p.header
+        emit = self.emit
+        values = p.value_map()
+        for c in h.comment:
+            emit(_hcomment(c))
+        emit(f"rir {int(h.version)}")
+        emit(f"model {_quote(h.model)}")
+        emit(f"fingerprint {_quote(h.fingerprint)}")
+        emit(f"device {_word(h.device)}")
+        if h.cost != ir.COST_FLOPS:
+            emit(f"cost {h.cost}")
+        emit(_comment(f"optimizer {_word(h.optim)} {int(h.optim_state_bytes)} bytes",
+                      f"{human_bytes(h.optim_state_bytes)} of optimizer state" if h.optim_state_bytes else ""))
+        if h.budget is not None:
+            emit(_comment(f"budget {int(h.budget.bytes)} bytes {h.budget.scope}", human_bytes(h.budget.bytes)))
+        emit(f"has_loss {'true' if h.has_loss else 'false'}")
+        emit(f"output_spec {_quote(h.output_spec)}")
+
+        inline = _inline_values(p)
+        listed = [v for v in p.values if v.name not in inline]
+        owned = sum(v.nbytes for v in listed if v.storage == v.name)
+        emit("")
+        plural = "" if len(listed) == 1 else "s"
+        emit(_comment("values", f"{len(listed)} value{plural}, {human_bytes(owned)}" if listed else ""))
+        if listed:
+            refs = [_ref(v.name) for v in listed]
+            w = min(max(len(r) for r in refs), 48)
+            for v, r in zip(listed, refs):
+                body = f"  {r:<{w}}  {v.kind:<7}  {_decl(v)}"
+                emit(_comment(body, human_bytes(v.nbytes) if v.storage == v.name else ""))
+
+        # graph
+        emit("")
+        blocks: list[tuple[str, list[Node]]] = []
+        for n in p.nodes:
+            if blocks and blocks[-1][0] == n.phase:
+                blocks[-1][1].append(n)
+            else:
+                blocks.append((n.phase, [n]))
+        if not blocks or blocks[0][0] != FORWARD:
+            blocks.insert(0, (FORWARD, []))
+        if blocks[-1][0] != BACKWARD:
+            blocks.append((BACKWARD, []))
+        declared: set[str] = set()
+        alloc: dict[str, int] = {}
+        for phase, nodes in blocks:
+            emit(f"graph {phase}")
+            for n in nodes:
+                line, size = self.node_line(n, values, inline, declared)
+                alloc[n.name] = size
+                emit(_comment(line, human_bytes(size)))
+
+        # schedule
+        names = [i.target for i in p.forward] + [i.target for i in p.backward]
+        w = min(max((len(_ref(t)) for t in names), default=0), 48)
+        for title, instrs, where in (("forward", p.forward, self.fwd_lines),
+                                     ("backward", p.backward, self.bwd_lines)):
+            emit("")
+            emit(title)
+            for ins in instrs:
+                r = _ref(ins.target)
+                note = ""
+                if ins.kind == FREE:
+                    v = values.get(ins.target)
+                    if v is not None and v.storage == v.name and v.nbytes:
+                        note = "-" + human_bytes(v.nbytes)
+                elif alloc.get(ins.target):
+                    note = "+" + human_bytes(alloc[ins.target])
+                body = f"  {ins.kind:<9} {r:<{w}}" if note else f"  {ins.kind:<9} {r}"
+                where.append(emit(_comment(body, note)))
+
+        emit("")
+        emit("outputs")
+        for o in p.outputs:
+            if o.kind == RESULT:
+                key = o.key if RESULT_KEY_RE.fullmatch(o.key) else _quote(o.key)
+            else:
+                key = _ref(o.key)
+            self.out_lines.append(emit(f"  {o.kind} {key} = {_ref(o.value)}"))
+        return self.lines
+
+    def node_line(self, n: Node, values: dict[str, Value], inline: set[str],
+                  declared: set[str]) -> tuple[str, int]:
+        outs = []
+        size = 0
+        for o in n.outputs:
+            if not o:
+                outs.append("_")
+                continue
+            v = values.get(o)
+            if v is not None and v.storage == v.name:
+                size += v.nbytes
+            if o in inline and o not in declared:
+                declared.add(o)
+                outs.append(f"{_ref(o)} {_decl(v)}")
+            else:
+                outs.append(_ref(o))
+        head = ", ".join(outs)
+        if not (n.outputs and n.outputs[0] and n.name == n.outputs[0]):
+            head = f"{_ref(n.name)}: {head}" if head else f"{_ref(n.name)}:"
+        args = [_arg(a) for a in n.args]
+        for k, a in n.kwargs.items():
+            args.append(f"{k if _bare_ok(k) else _quote(k)}={_arg(a)}")
+        op = n.op if _bare_ok(n.op) else _quote(n.op)
+        line = f"  {head} = {op}({', '.join(args)})"
+        if n.module:
+            line += f" module {_word(n.module)}"
+        if n.random:
+            line += " random"
+        if n.mutates:
+            line += " mutates(" + ", ".join(_ref(m) for m in n.mutates) + ")"
+        if n.flops:
+            line += f" flops {float(n.flops)!r}"
+        if n.time_us:
+            line += f" time_us {float(n.time_us)!r}"
+        return line, size
+
+
+def _comment(body: str, note: str) -> str:
+    if not note:
+        return body
+    return f"{body:<40}   # {note}" if len(body) < 40 else f"{body}   # {note}"
+
+
+def format_program(program: Program) -> str:
+    """The canonical `.rir` text of `program` (Instr.line/Output.line ignored)."""
+    return "\n".join(_Printer(program).run()) + "\n"
+
+
+def with_lines(program: Program) -> Program:
+    """`program` with Instr.line / Output.line set to where `format_program`
+    prints them.  The result shares header, values and nodes with `program`;
+    the instruction and output lists are new."""
+    pr = _Printer(program)
+    pr.run()
+    fwd = [Instr(i.kind, i.target, ln) for i, ln in zip(program.forward, pr.fwd_lines)]
+    bwd = [Instr(i.kind, i.target, ln) for i, ln in zip(program.backward, pr.bwd_lines)]
+    outs = [Output(o.kind, o.key, o.value, ln) for o, ln in zip(program.outputs, pr.out_lines)]
+    return Program(header=program.header, values=list(program.values), nodes=list(program.nodes),
+                   forward=fwd, backward=bwd, outputs=outs)
+
+

@@ -1,0 +1,136 @@
+"""The `.rir` text format: a Program written for people.
+
+    format_program(program) -> str          canonical text
+    parse_program(text, filename) -> Program
+    with_lines(program) -> Program          Instr.line / Output.line as printed
+    load_plan(path) -> Program              save_plan(program, path)  (atomic)
+    human_bytes(n) -> str                   "512 B", "64.0 KiB", "1.32 GiB"
+
+The grammar is `grammar/rir.lark` (installed as the package data of
+`remat_ir.grammar`).  A plan looks like this::
+
+    #| remat-ir plan: gpt2-tiny                 <- header.comment, one per line
+    rir 1
+    model "gpt2-tiny"
+    fingerprint "9c1e47a2d0b3"
+    device cpu
+    cost profile                                # what the optimizer minimizes (line absent: flops)
+    optimizer adam 1024000 bytes                # 1000.0 KiB
+    budget 3365000 bytes activations            # 3.21 MiB   (line absent: no budget)
+    has_loss true
+    output_spec "[1, {\\"type\\": null, ...}]"
+
+    values
+      idx                     input  i64[2,64]      1024 bytes  source idx      # 1.0 KiB
+      transformer.wte.weight  param  f32[1000,128]  512000 bytes  source transformer.wte.weight  requires_grad  aliases [lm_head.weight]
+      w.t                     param  f32[128,1000]  stride [1,128]  view of transformer.wte.weight
+
+    graph forward
+      emb f32[2,64,128] 65536 bytes = aten.embedding.default(transformer.wte.weight, idx) module transformer.wte   # 64.0 KiB
+      drop f32[2,64,128] 65536 bytes, drop:1 b8[2,64,128] 8192 bytes = aten.native_dropout.default(emb, 0.1, true) random   # 72.0 KiB
+      mx: _, mx:1 i64[2] 16 bytes = aten.foo.default(emb, dtype=torch.float32, device=device(cpu))
+    graph backward
+      ...
+
+    forward
+      compute   emb                             # +64.0 KiB   (what it allocates)
+      free      emb                             # -64.0 KiB   (the storage it owns)
+    backward
+      recompute emb                             # +64.0 KiB
+    outputs
+      result 0 = loss
+      grad transformer.wte.weight = d.transformer.wte.weight
+
+Rules of the text:
+
+* `#` starts a comment anywhere outside a string literal; comments,
+  indentation and blank lines are ignored.  Sizes in comments are for people:
+  the parser ignores them and reads the exact byte counts.
+* The header comment (`Header.comment`) is the `#|` lines before `rir 1`, one
+  line per entry: `#| text`, or `#|"json string"` when the text has control
+  characters, leading/trailing blanks or starts with a quote.  A `#|` line
+  anywhere else is an ordinary comment.
+* Value names are bare when they look like `transformer.h.0.attn.c_attn.addmm`
+  or `d.x.native_layer_norm_backward:1` (identifier segments joined by `.` or
+  `:`); any other name, and the few that would read as a keyword where a name
+  may also stand (`graph`, `forward`, `_`, `true`, `none`, ... and anything
+  starting with `torch.`), is written `%"..."`.
+* `values` lists the values no node produces (inputs, params, buffers,
+  tangents).  A value a node produces is declared on that node's line, after
+  its name: dtype+shape (`f32[2,64,128]`, `DTYPE_SHORT` names; full torch names
+  are accepted too), `stride [..]` when not contiguous, then its storage:
+  `N bytes` for an owner, `view of NAME` for a view (plus `N bytes` when a view
+  claims bytes), then optional `source`, `requires_grad`, `aliases [..]`.
+  A node output that is already declared is written by bare name; `_` is a
+  non-tensor output.  (`Program.values` is read back as the `values` lines in
+  order, then the declarations on node lines in graph order; the printer
+  falls back to listing a node-produced value under `values` when that is
+  what keeps the order exact.)
+* A node is named after its first output; `NODE: outputs = ...` names it
+  otherwise.  Node attributes after the call: `module PATH`, `random`,
+  `mutates(a, b)`, `flops 1.5e6`, `time_us 12.5` (measured; read by the
+  optimizer under `cost profile`).  Phase comes from the enclosing
+  `graph forward` / `graph backward` block; blocks repeat when phases
+  interleave.
+* Arguments: value names, ints, floats (repr), `inf`/`-inf`/`nan` (Special),
+  `true`/`false`/`none`, `"strings"` (JSON escapes), lists `[a, b]`,
+  `torch.float32` / `torch.strided` / `torch.contiguous_format` (dtype, layout,
+  memory format), `device(cuda:0)`; keyword arguments `key=value` come last.
+* Schedule: `forward` then `backward` sections of `compute NODE`,
+  `recompute NODE`, `free VALUE`; `outputs` of `result KEY = VALUE` and
+  `grad VALUE = VALUE`.
+
+Reading: one hand-written reader (`remat_ir.ir.parser`) takes the text a line
+at a time, implements the whole grammar and words every error itself (4,000
+nodes and 8,000 instructions in well under a second).  `grammar/rir.lark` is
+the language's definition: the tests run lark on it as an oracle and check
+that lark and the reader accept the same texts and read them alike.
+
+Errors are `RirSyntaxError` (a ValueError) rendered `file:line:col: message`.
+Parsing resolves names: every value referenced is declared exactly once,
+`compute`/`recompute` name nodes, `free` names values; whether the schedule
+makes sense is the verifier's business.
+"""
+from __future__ import annotations
+
+import re
+
+from remat_ir.ir.types import BUFFER, DTYPE_SHORT, INPUT, PARAM, TANGENT, VALUE
+
+
+class RirSyntaxError(ValueError):
+    """A `.rir` text that cannot be read: `str(e) == "file:line:col: message"`."""
+
+    def __init__(self, filename: str, line: int, column: int, message: str):
+        self.filename = filename
+        self.line = line
+        self.column = column
+        self.message = message
+        super().__init__(f"{filename}:{line}:{column}: {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.filename, self.line, self.column, self.message))
+
+
+NAME_RE = re.compile(r"[A-Za-z_]\w*(?:[.:]\w+)*")
+DEVICE_BARE_RE = re.compile(r"[\w.:-]+")
+RESULT_KEY_RE = re.compile(r"0|-?[1-9][0-9]*")
+ESCAPE_RE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ud800-\udfff]")
+
+# Dtype names a `.rir` file may use (torch attribute names).
+DTYPES = frozenset(DTYPE_SHORT) | frozenset({
+    "uint16", "uint32", "uint64", "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu", "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+    "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+})
+LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr",
+                     "sparse_bsc", "_mkldnn", "jagged"})
+MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format", "channels_last",
+                            "channels_last_3d"})
+SPECIALS = ("inf", "-inf", "nan")
+HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec")
+VALUE_DECL_KINDS = (INPUT, PARAM, BUFFER, TANGENT, VALUE)
+
+# Keywords that can stand where a name can, so a value of that name is
+# written `%"..."` (a test keeps this equal to what the grammar implies).
+RESERVED = frozenset({"graph", "forward", "_", "true", "false", "none", "inf", "nan"})

@@ -1,0 +1,264 @@
+"""The IR: the one contract between remat-ir's stages.
+
+A `Program` is a graph (what every value is and how it is computed) plus a
+schedule (when each value exists).  The tracer builds both; the optimizer only
+rewrites the schedule; the verifier checks the schedule against the graph; the
+interpreter executes the schedule.  Everything here is a plain msgspec Struct so
+a program also round-trips through JSON and msgpack.
+
+Memory is accounted per *storage*: a view names the value that owns its
+storage in `Value.storage` and owns no bytes itself.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+FORMAT_VERSION = 1
+
+COST_FLOPS = "flops"
+COST_PROFILE = "profile"
+COST_MODELS = (COST_FLOPS, COST_PROFILE)
+
+# State tensors an optimizer keeps per trainable parameter, each of the
+# parameter's shape and dtype: SGD with momentum one (the momentum buffer),
+# Adam two (first and second moments).  `Header.optimizer` names a row; the
+# simulator predicts these bytes and the runtime allocates these tensors.
+OPTIMIZER_STATES = {"none": 0, "sgd": 1, "adam": 2}
+
+# ---------------------------------------------------------------- arguments
+
+
+class Ref(msgspec.Struct, tag="ref", frozen=True):
+    """A tensor operand: the name of a value."""
+
+    name: str
+
+
+class DType(msgspec.Struct, tag="dtype", frozen=True):
+    name: str  # torch attribute name: "float32", "int64", "bool"
+
+
+class Device(msgspec.Struct, tag="device", frozen=True):
+    name: str  # "cpu", "cuda", "cuda:0"
+
+
+class Layout(msgspec.Struct, tag="layout", frozen=True):
+    name: str  # "strided"
+
+
+class MemoryFormat(msgspec.Struct, tag="memory_format", frozen=True):
+    name: str  # "contiguous_format", "preserve_format", ...
+
+
+class Special(msgspec.Struct, tag="special", frozen=True):
+    """A float JSON cannot carry: "inf", "-inf" or "nan"."""
+
+    name: str
+
+
+class Seq(msgspec.Struct, tag="list", frozen=True):
+    """A list argument (`[128]`, a list of tensors, ...)."""
+
+    items: list[Arg]
+
+
+Arg = Union[Ref, DType, Device, Layout, MemoryFormat, Special, Seq, bool, int, float, str, None]
+
+# ------------------------------------------------------------------- values
+
+# Kinds of values that exist before the step starts (graph inputs).
+INPUT = "input"  # an argument of the model's forward
+PARAM = "param"  # an nn.Parameter
+BUFFER = "buffer"  # a registered buffer (BatchNorm running stats, ...)
+TANGENT = "tangent"  # the gradient of a forward result, given by loss.backward()
+VALUE = "value"  # produced by a node of the graph
+VALUE_KINDS = (INPUT, PARAM, BUFFER, TANGENT, VALUE)
+
+
+class Value(msgspec.Struct, omit_defaults=True):
+    name: str
+    kind: str
+    dtype: str  # torch attribute name, e.g. "float32"
+    shape: list[int]
+    stride: list[int]
+    storage: str  # name of the value owning the storage; == name for an owner
+    nbytes: int  # bytes of the storage this value owns (0 for a view)
+    source: str = ""  # params/buffers: the module attribute path; inputs: the argument name
+    requires_grad: bool = False
+    aliases: list[str] = []  # other attribute paths of a tied parameter
+
+
+# -------------------------------------------------------------------- nodes
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+class Node(msgspec.Struct, omit_defaults=True):
+    """One aten op call.  Its outputs are values; "" marks a non-tensor output."""
+
+    name: str
+    op: str  # "aten.addmm.default"
+    args: list[Arg]
+    kwargs: dict[str, Arg]
+    outputs: list[str]
+    phase: str  # FORWARD or BACKWARD
+    module: str = ""  # module path the op ran in ("transformer.h.0.attn")
+    random: bool = False  # draws from the RNG: a recompute must replay its state
+    mutates: list[str] = []  # operands written in place
+    flops: float = 0.0  # cost model: floating point operations
+    time_us: float = 0.0  # cost model: measured run time in microseconds (0: not measured)
+
+
+# ----------------------------------------------------------------- schedule
+
+COMPUTE = "compute"
+RECOMPUTE = "recompute"
+FREE = "free"
+
+
+class Instr(msgspec.Struct, omit_defaults=True):
+    """`compute`/`recompute` name a node; `free` names a value.
+
+    `line` is the 1-based line in the `.rir` text it was parsed from (0 when
+    the instruction was made in memory); it exists so errors can name it.
+    """
+
+    kind: str
+    target: str
+    line: int = 0
+
+
+# ------------------------------------------------------------------ outputs
+
+RESULT = "result"  # a forward output handed to the caller
+GRAD = "grad"  # the gradient of a parameter or an input
+
+
+class Output(msgspec.Struct, omit_defaults=True):
+    """`result` outputs are keyed by position ("0"), `grad` outputs by the
+    parameter or input value they are the gradient of."""
+
+    kind: str
+    key: str
+    value: str
+    line: int = 0
+
+
+# ------------------------------------------------------------------ program
+
+
+class Budget(msgspec.Struct, omit_defaults=True):
+    bytes: int
+    scope: str = "total"  # "total" or "activations"
+
+
+class Header(msgspec.Struct, omit_defaults=True):
+    version: int = FORMAT_VERSION
+    model: str = ""
+    fingerprint: str = ""  # hash of parameter names, shapes, dtypes and of the graph
+    device: str = "cpu"
+    # What the optimizer minimizes: "flops" (Node.flops) or "profile" (Node.time_us, measured
+    # on `device`).
+    cost: str = "flops"
+    # The training optimizer (torch.optim) whose state the prediction and a total budget
+    # include: none, sgd, adam (OPTIMIZER_STATES), and the bytes of that state.
+    optim: str = "none"
+    optim_state_bytes: int = 0
+    budget: Budget | None = None
+    output_spec: str = ""  # torch.utils._pytree treespec of the forward results, serialized
+    has_loss: bool = False  # the program includes the loss function given at compile time
+    comment: list[str] = []  # free text printed as `#` lines at the top
+
+
+class Program(msgspec.Struct, omit_defaults=True):
+    header: Header
+    values: list[Value]
+    nodes: list[Node]
+    forward: list[Instr]
+    backward: list[Instr]
+    outputs: list[Output]
+
+    # Lookups are rebuilt on demand; Programs are small enough that a dict per
+    # call site is cheaper than keeping caches coherent under edits.
+    def value_map(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    def node_map(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def producer_map(self) -> dict[str, Node]:
+        """Value name -> the node that produces it."""
+        return {o: n for n in self.nodes for o in n.outputs if o}
+
+
+# -------------------------------------------------------------- arg helpers
+
+
+def arg_refs(arg: Arg) -> list[str]:
+    """Names of the values an argument refers to, in order."""
+    if isinstance(arg, Ref):
+        return [arg.name]
+    if isinstance(arg, Seq):
+        return [r for item in arg.items for r in arg_refs(item)]
+    return []
+
+
+def node_inputs(node: Node) -> list[str]:
+    """Distinct value names a node reads, in first-use order."""
+    seen: dict[str, None] = {}
+    for a in list(node.args) + list(node.kwargs.values()):
+        for r in arg_refs(a):
+            seen.setdefault(r, None)
+    return list(seen)
+
+
+# ------------------------------------------------------------- serialization
+
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder(Program)
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_msgpack_decoder = msgspec.msgpack.Decoder(Program)
+
+
+def to_json(program: Program) -> bytes:
+    return _json_encoder.encode(program)
+
+
+def from_json(data: bytes | str) -> Program:
+    return _json_decoder.decode(data)
+
+
+def to_msgpack(program: Program) -> bytes:
+    return _msgpack_encoder.encode(program)
+
+
+def from_msgpack(data: bytes) -> Program:
+    return _msgpack_decoder.decode(data)
+
+
+# ------------------------------------------------------------------- dtypes
+
+# Short names shown in `.rir` text, and their element sizes.
+DTYPE_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
+    "bool": "b8", "complex64": "c64", "complex128": "c128",
+    "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2",
+}
+DTYPE_LONG = {v: k for k, v in DTYPE_SHORT.items()}
+DTYPE_BYTES = {
+    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def contiguous_stride(shape: list[int]) -> list[int]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return stride[::-1]

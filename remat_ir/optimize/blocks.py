@@ -1,0 +1,210 @@
+"""Decomposition: cut the forward graph into segments along the model chain
+and find repeated blocks by structural hashing.
+
+Segments are contiguous runs of forward nodes that ran in the same repeated
+module (the module path up to its first list index, e.g. ``transformer.h.3``
+for ``transformer.h.3.attn.c_attn``); small runs in between (embedding,
+final norm, head, loss) join the neighbouring block, larger ones are their
+own segments.  Two segments are the same block when their
+node sequences hash equal: ops, operand structure (operands made inside the
+segment by position, operands from outside by order of first use and their
+shape), output shapes, sizes and aliasing, and the backward stages reading
+each storage relative to the segment's first one -- not the names, so the
+layer index is ignored.
+
+Storages read across segments are kept (they are the checkpoints between
+blocks); each storage is *assigned* to the segment whose forward pass
+consumes it last, so its bytes are counted once.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from remat_ir.optimize.family import UNIT, Analysis
+
+
+def block_key(module: str) -> str | None:
+    """`transformer.h.3.attn.c_attn` -> `transformer.h.3` (up to the first
+    list index); None outside lists."""
+    if not module:
+        return None
+    parts = module.split(".")
+    last = None
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            last = i
+            break  # the outermost indexed module is the block
+    if last is None:
+        return None
+    return ".".join(parts[:last + 1])
+
+
+@dataclass
+class Segment:
+    index: int
+    name: str
+    nodes: list[int]  # forward node indices, in order
+    storages: list[int] = field(default_factory=list)  # storages assigned to it
+    decisions: list[int] = field(default_factory=list)
+    signature: str = ""
+    window: tuple[int, int] = (0, -1)  # backward stages [lo, hi] where its storages are needed
+
+    @property
+    def fwd_range(self) -> tuple[int, int]:
+        return self.nodes[0], self.nodes[-1]
+
+
+def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[int, int]]:
+    """Segments in forward order, and the decision nodes that must be kept
+    (node -> 1) because their storage crosses segments."""
+    nf = a.nf
+    keys = [block_key(n.module) for n in a.fwd]
+    # Contiguous runs of the same key; unkeyed runs are their own segments.
+    runs: list[tuple[str | None, list[int]]] = []
+    for i, k in enumerate(keys):
+        if runs and runs[-1][0] == k:
+            runs[-1][1].append(i)
+        else:
+            runs.append((k, [i]))
+    # A key seen in two runs (interleaved code): merge everything in between.
+    merged: list[tuple[str | None, list[int]]] = []
+    for k, idx in runs:
+        if k is not None:
+            j = next((m for m in range(len(merged)) if merged[m][0] == k), None)
+            if j is not None:
+                allidx = [i for _, ii in merged[j:] for i in ii] + idx
+                merged = merged[:j] + [(k, allidx)]
+                continue
+        merged.append((k, idx))
+    # Small runs outside the repeated blocks (embedding, head, loss) join the
+    # neighbouring block, so the storage between them (the first block's
+    # input, the last block's output) can be recomputed rather than kept.
+    if merge_small and any(k is not None for k, _ in merged):
+        out: list[tuple[str | None, list[int]]] = []
+        pending: list[int] = []
+        pending_names: list[str] = []
+        for k, idx in merged:
+            if k is None and _n_decisions(a, idx) <= merge_small:
+                if out and out[-1][0] is not None:
+                    pk, pidx = out[-1]
+                    out[-1] = (pk, pidx + idx)
+                    out[-1] = (out[-1][0] if out[-1][0].endswith("+" + _unkeyed_name(a, idx))
+                               else out[-1][0] + "+" + _unkeyed_name(a, idx), out[-1][1])
+                else:
+                    pending += idx
+                    pending_names.append(_unkeyed_name(a, idx))
+                continue
+            if pending and k is not None:
+                idx = pending + idx
+                k = "+".join(pending_names + [k])
+                pending, pending_names = [], []
+            elif pending:
+                out.append(("+".join(pending_names), pending))
+                pending, pending_names = [], []
+            out.append((k, idx))
+        if pending:
+            out.append(("+".join(pending_names), pending))
+        merged = out
+    segs = [Segment(i, k if k is not None else _unkeyed_name(a, idx), idx) for i, (k, idx) in enumerate(merged)]
+    seg_of = [0] * nf
+    for s in segs:
+        for i in s.nodes:
+            seg_of[i] = s.index
+
+    # Assign storages; force-keep those crossing segments.
+    fixed: dict[int, int] = {}
+    for k, st in enumerate(a.storages):
+        users = {seg_of[w] for al in st.aliases for w in _readers(a, al)}
+        home = seg_of[st.owner]
+        cross = {u for u in users if u != home}
+        if cross:
+            home = max(cross)
+            if a.kind[st.owner] == UNIT:
+                fixed[st.owner] = 1
+            for al in st.aliases:
+                i = a.prod_f[al]
+                if a.key[i] >= 0:
+                    fixed[a.key[i]] = 1
+        segs[home].storages.append(k)
+    decs = a.decisions()
+    for d in decs:
+        if d not in fixed:
+            segs[seg_of[d]].decisions.append(d)
+    for s in segs:
+        stages = [j for k in s.storages for j in a.storages[k].reads + a.storages[k].holds]
+        s.window = (min(stages), max(stages)) if stages else (a.nb, a.nb - 1)
+        s.signature = _signature(a, s, seg_of)
+    return segs, fixed
+
+
+def _n_decisions(a: Analysis, idx: list[int]) -> int:
+    return sum(1 for i in idx if a.kind[i] == UNIT)
+
+
+def _readers(a: Analysis, v: str) -> list[int]:
+    out = getattr(a, "_readers_cache", None)
+    if out is None:
+        out = {}
+        for w, ins in enumerate(a.fin):
+            for r in ins:
+                out.setdefault(r, []).append(w)
+        a._readers_cache = out
+    return out.get(v, [])
+
+
+def _unkeyed_name(a: Analysis, idx: list[int]) -> str:
+    mods = [a.fwd[i].module for i in idx if a.fwd[i].module]
+    if mods:
+        top = sorted({m.split(".")[0] if not m.startswith("transformer.") else ".".join(m.split(".")[:2])
+                      for m in mods})
+        return "+".join(top[:3])
+    return a.fwd[idx[0]].name
+
+
+def _signature(a: Analysis, s: Segment, seg_of: list[int]) -> str:
+    """Structural hash of a segment: equal for repeated blocks."""
+    values = a.values
+    local: dict[str, int] = {}
+    ext: dict[str, int] = {}
+    parts = []
+
+    def ref(r: str):
+        if r in local:
+            return ("L", local[r])
+        if r not in ext:
+            ext[r] = len(ext)
+        v = values[r]
+        return ("X", ext[r], v.kind, tuple(v.shape), v.dtype)
+
+    def arg(x):
+        from remat_ir.ir import Ref, Seq
+        if isinstance(x, Ref):
+            return ref(x.name)
+        if isinstance(x, Seq):
+            return ("S", tuple(arg(i) for i in x.items))
+        return repr(x)
+
+    for i in s.nodes:
+        n = a.fwd[i]
+        args = tuple(arg(x) for x in n.args)
+        kwargs = tuple(sorted((k, arg(x)) for k, x in n.kwargs.items()))
+        outs = []
+        for o in n.outputs:
+            if not o:
+                outs.append(None)
+                continue
+            v = values[o]
+            st = v.storage
+            alias = local.get(st, ("X", ext.get(st, -1))) if st != o else None
+            outs.append((tuple(v.shape), tuple(v.stride), v.dtype, v.nbytes, alias))
+            local[o] = len(local)
+        parts.append((n.op, args, kwargs, tuple(outs), n.flops, a.kind[i], n.random,
+                      tuple(ref(m) for m in n.mutates)))
+    lo = s.window[0]
+    for k in s.storages:
+        st = a.storages[k]
+        parts.append(("st", ref(st.name), st.size, tuple(j - lo for j in st.reads),
+                      tuple(j - lo for j in st.holds), tuple(w - s.nodes[0] for w in st.consumers)))
+    h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    return h

@@ -1,0 +1,624 @@
+"""The keep/recompute MILP over the schedule family of `family.py`.
+
+Variables (for the nodes and storages in scope):
+
+* ``k_d`` (boolean), one per decision node: keep its outputs from forward to
+  their last backward use (1) or recompute the node lazily in backward (0).
+  Views share the decision of the node owning their storage.
+* ``X[n, e]`` (continuous, integral at any integral ``k``): node ``n`` has
+  been recomputed by backward event ``e``.  Only the stages at which ``n``
+  can first be needed get a variable (``stages(n)``); elsewhere ``X`` is a
+  constant or repeats the last variable.  The constraints pin ``X`` to the
+  family's lazy rule exactly: ``X[n,e] >= X[w,e] - k_n`` for every consumer
+  ``w`` (a recomputed consumer needs ``n``), ``X[n,e] <= sum_w X[w,e]``
+  (nothing else makes ``n`` needed before its first backward read), and
+  ``X[n,e] = 1 - k_n`` from that read on.
+* liveness of every storage at every record point of the simulator: after
+  each backward node (``Lb``), after each recompute (``Lq``, through a chain
+  ``Z`` of "still needed at this slot or later"), across stages where nothing
+  happens (``Lq`` at slot -inf), and kept into backward (``R``).  These are
+  continuous and bounded below by ``L >= need - (X[u,E] - X[u,t])``: a
+  storage needed at or after point ``t`` is live there unless its owner
+  ``u`` is recomputed only later.  At integral points that equals the
+  product ``made AND need``; in the LP relaxation it is much tighter than
+  the textbook ``L >= made + need - 1`` (the root bound on a 6-block toy
+  went from 2% to 70% of the optimum).  Memory pushes ``L`` down, so at an
+  optimum it is exact.
+
+Constraints: for every record point, constant bytes (from `Analysis`) +
+sum of storage sizes x liveness <= budget (forward records, backward records,
+the start of backward).  Objective: recompute cost (FLOPs, or microseconds
+under the `profile` cost model).  For the plan family this model is exact:
+its optimum equals the optimum over all plans built and simulated one by one
+(checked by brute force in the tests).
+
+Sizes on a GPT-2 block (one decision per non-view forward node): ~25
+binaries, ~2-3k continuous variables, ~4-5k rows; HiGHS solves it in
+0.05-0.5 s.  A flat model of a whole 2-layer GPT has ~60 binaries and takes
+10-120 s: hence the decomposition in `search.py`.
+
+Built as one sparse matrix (scipy) handed to cvxpy in a single vectorized
+constraint, so canonicalization stays fast.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import cvxpy as cp
+import numpy as np
+import scipy.sparse as sp
+
+from remat_ir.optimize.family import NEVER, UNIT, VIEW, Analysis
+
+CONST = -1  # key of the constant term in a linear expression
+
+
+def _add(dst: dict, src: dict, scale: float = 1.0) -> dict:
+    for k, v in src.items():
+        dst[k] = dst.get(k, 0.0) + scale * v
+    return dst
+
+
+def lin(*terms) -> dict:
+    """Sum of (scale, expr) pairs (zero coefficients dropped)."""
+    out: dict = {}
+    for scale, e in terms:
+        _add(out, e, scale)
+    return {k: v for k, v in out.items() if abs(v) > 1e-12 or (k == CONST and v != 0.0)}
+
+
+@dataclass
+class SolveRecord:
+    name: str
+    status: str
+    objective: float | None
+    gap: float | None
+    seconds: float
+    variables: int = 0
+    binaries: int = 0
+    constraints: int = 0
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Silence C-level stdout (HiGHS prints a banner even when not verbose)."""
+    try:
+        fd = os.dup(1)
+    except OSError:  # no stdout
+        yield
+        return
+    try:
+        import sys
+        sys.stdout.flush()
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                os.dup2(fd, 1)
+    finally:
+        os.close(fd)
+
+
+class KeepModel:
+    """The MILP for the nodes/storages in scope.
+
+    mode "flat": every record point of the program, budget ``<= B``.
+    mode "local": only the scope's forward range and backward events (a
+    segment of a decomposition); memory rows ``<= P`` and the bytes kept into
+    backward ``<= Rcap``; other segments are added by the caller.
+    """
+
+    def __init__(self, a: Analysis, *, nodes=None, storages=None, fixed: dict | None = None,
+                 mode: str = "flat", decisions=None):
+        self.a = a
+        self.mode = mode
+        nf = a.nf
+        fixed = dict(fixed or {})
+        scope_nodes = set(range(nf)) if nodes is None else set(nodes)
+        self.scope_nodes = scope_nodes
+        st_idx = list(range(len(a.storages))) if storages is None else list(storages)
+        self.st_idx = st_idx
+        dec = a.decisions() if decisions is None else list(decisions)
+        dec = [d for d in dec if d in scope_nodes and d not in fixed]
+        self.dec = dec
+        self.ypos = {d: i for i, d in enumerate(dec)}
+        self.fixed = fixed
+        self.ny = len(dec)
+        self.nx = 0
+        self.xub: list[float] = []
+        self.rows: list[tuple[dict, str]] = []  # (expr, kind): expr <= 0 / <= B / <= Rcap
+
+        def keep(n: int) -> dict:
+            k = a.key[n]
+            if k < 0:
+                return {CONST: 1.0}
+            if k in self.ypos:
+                return {self.ypos[k]: 1.0}
+            return {CONST: float(fixed.get(k, 1))}
+
+        self.keep = keep
+        # Recomputable nodes in scope.
+        rec = []
+        for n in sorted(scope_nodes):
+            if a.kind[n] in (UNIT, VIEW) and a.maybe[n] and keep(n).get(CONST, 0.0) != 1.0:
+                rec.append(n)
+        rec_set = set(rec)
+        self.rec = rec
+        cons = {n: [w for w in a.cons[n] if w in rec_set] for n in rec}
+        self.cons = cons
+        # Stages at which each node can first be needed.
+        ps: dict[int, list[int]] = {}
+        for n in reversed(rec):
+            d = a.dfirst[n]
+            pts = {d} if d < NEVER else set()
+            for w in cons[n]:
+                for p in ps[w]:
+                    if p < d:
+                        pts.add(p)
+            ps[n] = sorted(pts)
+        self.ps = ps
+        # Events: stages where something in scope happens.
+        ev = set()
+        for n in rec:
+            ev.update(ps[n])
+        for k in st_idx:
+            st = a.storages[k]
+            ev.update(st.reads)
+            ev.update(st.holds)
+        self.events = sorted(ev)
+        self._xcache: dict = {}
+        self.xvar: dict[tuple[int, int], int] = {}
+        for n in rec:
+            for p in ps[n]:
+                if p < a.dfirst[n]:
+                    self.xvar[(n, p)] = self._new()
+
+    # ------------------------------------------------------------ helpers
+
+    def _new(self, ub: float = 1.0) -> int:
+        i = self.ny + self.nx
+        self.nx += 1
+        self.xub.append(ub)
+        return i
+
+    def X(self, n: int, stage: int) -> dict:
+        """Recomputed by `stage` (an expression; do not mutate)."""
+        key = (n, stage)
+        r = self._xcache.get(key)
+        if r is None:
+            r = self._xcache[key] = self._X(n, stage)
+        return r
+
+    def _X(self, n: int, stage: int) -> dict:
+        pts = self.ps.get(n)
+        if not pts:
+            return {}
+        i = bisect.bisect_right(pts, stage) - 1
+        if i < 0:
+            return {}
+        p = pts[i]
+        if p == self.a.dfirst[n]:
+            return lin((1.0, {CONST: 1.0}), (-1.0, self.keep(n)))
+        return {self.xvar[(n, p)]: 1.0}
+
+    def RC(self, n: int, e_idx: int) -> dict:
+        """Recomputed exactly at event e (index into events; do not mutate)."""
+        key = ("rc", n, e_idx)
+        r = self._xcache.get(key)
+        if r is None:
+            r = self._xcache[key] = self._RC(n, e_idx)
+        return r
+
+    def _RC(self, n: int, e_idx: int) -> dict:
+        stage = self.events[e_idx]
+        pts = self.ps.get(n)
+        if not pts or stage not in pts:
+            return {}
+        prev = self.events[e_idx - 1] if e_idx > 0 else -1
+        return lin((1.0, self.X(n, stage)), (-1.0, self.X(n, prev)))
+
+    def row(self, expr: dict, kind: str = "le") -> None:
+        e = {k: v for k, v in expr.items() if v != 0.0 or k == CONST}
+        if all(k == CONST for k in e):
+            if kind == "mem":
+                self.const_mem = max(self.const_mem, e.get(CONST, 0.0))
+            return
+        self.rows.append((e, kind))
+
+    def ge_max(self, terms: list[dict]) -> dict:
+        """A variable >= every term (an OR of 0/1 expressions when minimized)."""
+        terms = [t for t in terms if t]
+        if any(set(t) <= {CONST} and t.get(CONST, 0.0) >= 1.0 for t in terms):
+            return {CONST: 1.0}
+        terms = [t for t in terms if not (set(t) <= {CONST})]
+        if not terms:
+            return {}
+        if len(terms) == 1:
+            return terms[0]
+        v = self._new()
+        for t in terms:
+            self.row(lin((1.0, t), (-1.0, {v: 1.0})))
+        return {v: 1.0}
+
+    # ------------------------------------------------------------ model
+
+    def build(self):
+        a = self.a
+        nf = a.nf
+        self.const_mem = 0.0
+        events = self.events
+        E = len(events)
+        last_stage = events[-1] if events else -1
+        rec, cons, ps = self.rec, self.cons, self.ps
+
+        # ---- X: the lazy rule, exactly
+        for n in rec:
+            pts = ps[n]
+            for p1, p2 in zip(pts, pts[1:]):
+                self.row(lin((1.0, self.X(n, p1)), (-1.0, self.X(n, p2))))
+            if pts and a.dfirst[n] == NEVER:
+                self.row(lin((1.0, self.X(n, pts[-1])), (-1.0, {CONST: 1.0}), (1.0, self.keep(n))))
+            for p in pts:
+                if p >= a.dfirst[n]:
+                    continue
+                up = lin((1.0, self.X(n, p)), *[(-1.0, self.X(w, p)) for w in cons[n]])
+                self.row(up)
+            for w in cons[n]:
+                for p in ps[w]:
+                    if p < a.dfirst[n]:
+                        self.row(lin((1.0, self.X(w, p)), (-1.0, self.keep(n)), (-1.0, self.X(n, p))))
+
+        # ---- storages
+        sts = [a.storages[k] for k in self.st_idx]
+        dyn = [[w for w in st.consumers if w in cons] for st in sts]
+        maxneed = []
+        for st, ws in zip(sts, dyn):
+            m = st.last_static
+            for w in ws:
+                if ps[w]:
+                    m = max(m, ps[w][-1])
+            maxneed.append(m)
+        # Yb: needed at the backward node of event e or later.
+        ycache: dict[tuple[int, int], dict] = {}
+
+        def Yb(k: int, e: int) -> dict:
+            key = (k, e)
+            if key in ycache:
+                return ycache[key]
+            st, stage = sts[k], events[e]
+            if stage <= st.last_static:
+                r = {CONST: 1.0}
+            else:
+                terms = []
+                for w in dyn[k]:
+                    if ps[w] and ps[w][-1] > stage:
+                        terms.append(lin((1.0, self.X(w, last_stage)), (-1.0, self.X(w, stage))))
+                r = self.ge_max(terms)
+            ycache[key] = r
+            return r
+
+        def live(k: int, z: dict, stage: int) -> dict:
+            """Storage k is live at a point after `stage`'s recomputes given it
+            is needed there or later (z).  Not made yet means its owner is
+            recomputed later, so L >= z - (X[u,E] - X[u,stage]): exact at
+            integral points and much tighter in the LP relaxation than
+            L >= made + z - 1."""
+            if not z:
+                return {}
+            u = sts[k].owner
+            e = lin((1.0, z), (1.0, self.X(u, stage)), (-1.0, self.X(u, last_stage)))
+            if set(z) <= {CONST}:
+                return e
+            v = self._new()
+            self.row(lin((1.0, e), (-1.0, {v: 1.0})))
+            return {v: 1.0}
+
+        # Retained into backward.
+        R = []
+        for k, st in enumerate(sts):
+            if st.reads or st.holds:
+                ya = {CONST: 1.0}
+            else:
+                ya = self.ge_max([self.X(w, last_stage) for w in dyn[k]])
+            R.append(live(k, ya, -1) if ya else {})
+        self.R = R
+
+        # Slots per event: units owning a storage in scope, recomputable then.
+        owners = {st.owner for st in sts}
+        slots: dict[int, list[int]] = {}
+        for q in rec:
+            if a.kind[q] == UNIT and q in owners:
+                for p in ps[q]:
+                    slots.setdefault(p, []).append(q)
+        for p in slots:
+            slots[p].sort()
+
+        const_b, const_pre = a.const_b, a.const_pre
+        for e in range(E):
+            stage = events[e]
+            prev = events[e - 1] if e > 0 else -1
+            # after the backward node
+            mem = {CONST: float(const_b[stage])}
+            for k in range(len(sts)):
+                if stage > maxneed[k]:
+                    continue
+                y = Yb(k, e)
+                if not y:
+                    continue
+                _add(mem, live(k, y, stage), float(sts[k].size))
+            self.row(mem, "mem")
+            # recompute slots, and the gap before this event
+            qs = list(slots.get(stage, ()))
+            gap_lo = prev + 1 if (e > 0 or self.mode == "flat") else stage
+            gap = const_b[gap_lo:stage].max() if stage > gap_lo else None
+            chain = ([None] if gap is not None else []) + qs  # None: slot -inf
+            if not chain:
+                continue
+            mems = [{CONST: float(gap if q is None else const_pre[stage])} for q in chain]
+            for k, st in enumerate(sts):
+                owner_slot = st.owner in qs
+                if stage > maxneed[k] and not owner_slot:
+                    continue
+                # Z_i: needed at slot i or later (chained from the back).
+                z_next = Yb(k, e) if stage <= maxneed[k] else {}
+                zs = [None] * len(chain)
+                for i in range(len(chain) - 1, -1, -1):
+                    lo = -1 if chain[i] is None else chain[i]
+                    hi = chain[i + 1] if i + 1 < len(chain) else nf
+                    terms = [z_next] + [self.RC(w, e) for w in dyn[k] if lo <= w < hi]
+                    z_next = self.ge_max(terms)
+                    zs[i] = z_next
+                for i, q in enumerate(chain):
+                    point = stage if (q is not None and st.owner <= q) else prev
+                    lv = live(k, zs[i], point) if zs[i] else {}
+                    if q is not None and st.owner == q:
+                        rc = self.RC(q, e)
+                        if rc:
+                            lv = self.ge_max([lv, rc]) if lv else rc
+                    if lv:
+                        _add(mems[i], lv, float(st.size))
+            for m in mems:
+                self.row(m, "mem")
+        # Trailing stages with nothing in scope (flat mode: constants only).
+        if self.mode == "flat":
+            tail_lo = (events[-1] + 1) if events else 0
+            if tail_lo < a.nb:
+                self.const_mem = max(self.const_mem, float(const_b[tail_lo:].max()))
+
+        # ---- forward records
+        lo_t, hi_t = (0, nf - 1) if self.mode == "flat" else (
+            min(self.scope_nodes), max(self.scope_nodes))
+        if nf:
+            prof = a.base_f + a.fwd_asap
+            deaths = sorted({st.asap_death for st, r in zip(sts, R) if r and lo_t <= st.asap_death + 1 <= hi_t})
+            cuts = [lo_t] + [d + 1 for d in deaths] + [hi_t + 1]
+            for c0, c1 in zip(cuts, cuts[1:]):
+                if c1 <= c0:
+                    continue
+                mem = {CONST: float(prof[c0:c1].max())}
+                for st, r in zip(sts, R):
+                    if r and st.asap_death < c0:
+                        _add(mem, r, float(st.size))
+                self.row(mem, "mem")
+        # ---- start of backward / bytes kept into backward
+        ret: dict = {}
+        for st, r in zip(sts, R):
+            if r:
+                _add(ret, r, float(st.size))
+        self.retained_expr = ret
+        if self.mode == "flat":
+            start = dict(ret)
+            start[CONST] = start.get(CONST, 0.0) + float(a.const_start)
+            self.row(start, "mem")
+        else:
+            self.row(dict(ret), "ret")
+
+        # ---- objective: recompute cost (FLOPs, or measured time with --cost profile)
+        obj: dict = {}
+        for n in rec:
+            c = a.cost[n]
+            if c:
+                _add(obj, self.X(n, last_stage), float(c))
+        self.obj = obj
+        return self
+
+    # ------------------------------------------------------------ cvxpy
+
+    def compile(self, objective: str = "cost", *, tie_retained: float = 0.0) -> "Compiled":
+        """A cvxpy problem over this model.
+
+        objective "cost": minimize recompute cost, memory rows <= parameter B.
+        objective "retained": minimize bytes kept into backward (+1e-4 cost).
+        objective "peak": B is a variable; minimize it (+1e-4 cost).
+        In local mode the retained row is <= parameter Rcap."""
+        if not hasattr(self, "_A"):
+            self._matrices()
+        return Compiled(self, objective, tie_retained)
+
+    def _matrices(self):
+        ny, nx = self.ny, self.nx
+        rows = self.rows
+        sizes = [abs(v) for e, kind in rows if kind != "le" for k, v in e.items() if k != CONST]
+        self.scale = 1000.0 / max(max(sizes, default=1.0), 1.0)
+        r_i, c_i, vals = [], [], []
+        rhs = np.zeros(len(rows))
+        kind_mem = np.zeros(len(rows))
+        kind_ret = np.zeros(len(rows))
+        for i, (e, kind) in enumerate(rows):
+            s = self.scale if kind != "le" else 1.0
+            for k, v in e.items():
+                if k == CONST:
+                    rhs[i] = -v * s
+                else:
+                    r_i.append(i)
+                    c_i.append(k)
+                    vals.append(v * s)
+            if kind == "mem":
+                kind_mem[i] = 1.0
+            elif kind == "ret":
+                kind_ret[i] = 1.0
+        self._A = sp.csr_matrix((vals, (r_i, c_i)), shape=(len(rows), ny + nx))
+        self._rhs, self._kmem, self._kret = rhs, kind_mem, kind_ret
+        cost = np.zeros(ny + nx)
+        for k, v in self.obj.items():
+            if k != CONST:
+                cost[k] += v
+        self._cost = cost / max(np.abs(cost).max(initial=0.0), 1.0)
+        ret = np.zeros(ny + nx)
+        for k, v in self.retained_expr.items():
+            if k != CONST:
+                ret[k] += v * self.scale
+        self._ret = ret
+        self.n_constraints = len(rows)
+
+
+class Compiled:
+    """One cvxpy problem of a `KeepModel` (see `KeepModel.compile`)."""
+
+    def __init__(self, m: KeepModel, objective: str, tie_retained: float):
+        self.m = m
+        self.objective = objective
+        ny, nx = m.ny, m.nx
+        A = m._A
+        y = cp.Variable(ny, boolean=True) if ny else None
+        x = cp.Variable(nx) if nx else None
+        self.y, self.x = y, x
+
+        def dot(vec):
+            e = 0
+            if ny:
+                e = e + vec[:ny] @ y
+            if nx:
+                e = e + vec[ny:] @ x
+            return e
+
+        lhs = 0
+        if ny:
+            lhs = lhs + A[:, :ny] @ y
+        if nx:
+            lhs = lhs + A[:, ny:] @ x
+        cons = []
+        peak = objective == "peak"
+        self.B = cp.Variable() if peak else cp.Parameter(nonneg=True, value=1e18)
+        self.Rcap = cp.Parameter(nonneg=True, value=1e18)
+        if m.n_constraints:
+            bound = m._rhs + m._kmem * (self.B * m.scale)
+            if m._kret.any():
+                bound = bound + m._kret * (self.Rcap * m.scale)
+            cons.append(lhs <= bound)
+        if nx:
+            cons += [x >= 0, x <= np.array(m.xub)]
+        if peak:
+            cons.append(self.B >= m.const_mem)
+        cost = dot(m._cost)
+        if objective == "cost":
+            obj = cost
+            if tie_retained:
+                obj = obj + tie_retained * dot(m._ret) / max(m._ret.sum(), 1.0)
+        elif objective == "retained":
+            obj = dot(m._ret) / max(m._ret.sum(), 1.0) + 1e-4 * cost
+        elif objective == "peak":
+            obj = self.B * m.scale + 1e-4 * cost
+        else:
+            raise ValueError(objective)
+        self.problem = cp.Problem(cp.Minimize(obj), cons)
+
+    def solve(self, name: str, *, solver: str = "HIGHS", time_limit: float = 60.0,
+              warm: bool = False, log=None, rel_gap: float = 1e-6):
+        """Solve; returns (kept decisions or None, SolveRecord).  A solution is
+        accepted only when every binary is integral (CBC may return the LP
+        relaxation at a time limit)."""
+        m = self.m
+        t0 = time.perf_counter()
+        status, objv, gap = "error", None, None
+        keep = None
+        try:
+            with quiet_stdout(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.problem.solve(solver=solver, warm_start=warm,
+                                   **solver_options(solver, max(time_limit, 0.05), rel_gap))
+            status = self.problem.status
+            objv = self.problem.value
+            gap = mip_gap(self.problem, solver)
+        except cp.error.SolverError as e:
+            status = f"error: {str(e)[:80]}"
+        except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
+            status = f"error: {type(e).__name__}: {str(e)[:80]}"
+        ok = status in ("optimal", "optimal_inaccurate", "user_limit")
+        if ok and status == "user_limit" and not has_solution(self.problem, solver):
+            # Stopped by the time limit before any incumbent: the values cvxpy
+            # reports are not a plan.
+            ok, status = False, "user_limit (no solution)"
+        if ok and m.ny == 0:
+            keep = set()
+        elif ok and self.y.value is not None:
+            yv = np.asarray(self.y.value, dtype=float)
+            if np.all(np.abs(yv - np.round(yv)) < 1e-4):
+                keep = {d for d, v in zip(m.dec, yv) if v > 0.5}
+            else:
+                status = status + " (fractional)"
+        rec = SolveRecord(name, status, None if objv is None else float(objv), gap,
+                          time.perf_counter() - t0, m.ny + m.nx, m.ny, m.n_constraints)
+        if log:
+            g = "-" if gap is None else f"{gap:.2%}"
+            log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s "
+                f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows)")
+        return keep, rec
+
+
+def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6) -> dict:
+    """Time limit and relative optimality gap, in each backend's words."""
+    solver = solver.upper()
+    if solver == "HIGHS":
+        return {"time_limit": float(time_limit), "mip_rel_gap": rel_gap, "mip_abs_gap": 1e-9}
+    if solver == "SCIP":
+        return {"scip_params": {"limits/time": float(time_limit), "limits/gap": rel_gap}}
+    if solver == "CBC":
+        return {"maximumSeconds": max(1, int(time_limit))}
+    if solver == "GLPK_MI":
+        return {"tm_lim": int(time_limit * 1000), "mip_gap": rel_gap}
+    if solver == "SCIPY":
+        return {"scipy_options": {"time_limit": float(time_limit), "mip_rel_gap": rel_gap}}
+    return {}
+
+
+def has_solution(problem, solver: str) -> bool:
+    """Whether a stopped solve holds a feasible point (HiGHS says; for other
+    backends the caller's own feasibility checks decide)."""
+    try:
+        info = problem.solver_stats.extra_stats
+        if solver.upper() == "HIGHS" and info is not None:
+            return int(info.primal_solution_status) == 2  # kSolutionStatusFeasible
+    except Exception:  # noqa: BLE001 - best effort: fall back to the caller's checks
+        pass
+    return True
+
+
+def mip_gap(problem, solver: str):
+    try:
+        info = problem.solver_stats.extra_stats
+        if solver.upper() == "HIGHS" and info is not None:
+            g = float(info.mip_gap)
+            if np.isfinite(g):
+                return max(g, 0.0)
+            return None
+    except Exception:  # noqa: BLE001 - gap reporting is best effort
+        return None
+    if problem.status == "optimal":
+        return 0.0
+    return None
+
+
+MILP_SOLVERS = ("HIGHS", "SCIP", "CBC", "GLPK_MI", "SCIPY")
+
+
+def installed_solvers() -> list[str]:
+    """The MILP backends cvxpy can use here."""
+    return [s for s in MILP_SOLVERS if s in cp.installed_solvers()]

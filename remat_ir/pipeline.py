@@ -1,0 +1,236 @@
+"""The compile pipeline as a Python API: a module and its example inputs in, a
+verified plan out.  `remat-compile`, `remat-bench` and `tools/gpu_check.py`
+are faces over it.
+
+    plan = remat_ir.compile(model, (x, y), loss=loss_fn, budget="0.5", scope="activations")
+    remat_ir.save_plan(plan, "plan.rir")
+
+The arguments follow `torch.export.export`: the module, then a tuple of
+positional inputs.  `loss(output, *inputs)`, when given, is part of the step.
+The stages, also callable one by one (one trace, several budgets):
+
+    trace(model, args, ...)      one training step -> a Program with a complete
+                                 header: device (where the parameters and inputs
+                                 live), optimizer state, comment; with
+                                 cost="profile", each op timed on that device
+    fit(program, budget, ...)    the plan for a budget, verified; without a
+                                 budget the unoptimized plan, verified
+    compile(model, args, ...)    fit(trace(...), budget)
+
+A budget is bytes (int), a size ("1.5GiB", "800MB"), a fraction of the
+unoptimized peak in `scope` (0.5, "0.5", "50%"), or "floor" (the smallest peak
+the optimizer reaches).  Pass `stats=CompileStats()` to learn how long each
+stage took and what the optimizer did.
+
+Errors: `TraceError` (the step cannot be traced), `ModelError` (`model` is no
+`nn.Module`), `ProfileError`, `BudgetError` (a `ValueError`: an unreadable
+budget), `Infeasible` (the budget is below the floor), `ValueError` (an unknown
+optimizer, scope, cost model, solver or effort), `UnsoundPlan` (an internal
+error: the plan made does not verify).
+
+Nothing here imports the optimizer (cvxpy) unless a budget is given.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from remat_ir.ir import COST_FLOPS, COST_MODELS, COST_PROFILE, Program
+from remat_ir.ir.types import OPTIMIZER_STATES
+
+__all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "compile", "fit", "plan_device",
+           "trace"]
+
+SCOPES = ("total", "activations")
+
+
+class BudgetError(ValueError):
+    """The budget cannot be read (the message says how to write one)."""
+
+
+class UnsoundPlan(RuntimeError):
+    """Internal error: the plan the pipeline made does not verify."""
+
+    def __init__(self, errors: list):
+        self.errors = list(errors)
+        super().__init__("the generated plan does not verify:\n" + "\n".join(str(d) for d in self.errors[:20]))
+
+
+@dataclass
+class CompileStats:
+    """Filled in by `trace`, `fit` and `compile` when passed as `stats=`."""
+
+    # Wall seconds per stage: "trace", "profile", "budget" (resolving it; for
+    # "floor" a search), "optimize", "verify".
+    seconds: dict[str, float] = field(default_factory=dict)
+    budget: int | None = None  # the budget in bytes, once resolved
+    optimized: Any = None  # the optimizer's OptimizeResult (mode, solves, recomputed), when it ran
+
+    def _add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+class _Clock:
+    def __init__(self, stats: CompileStats | None, stage: str):
+        self.stats, self.stage = stats, stage
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stats is not None:
+            self.stats._add(self.stage, time.perf_counter() - self.t0)
+        return False
+
+
+def _check_optimizer_args(solver: str, effort: str) -> None:
+    from remat_ir.optimize.milp import installed_solvers
+    from remat_ir.optimize.search import EFFORTS
+
+    if solver.upper() not in installed_solvers():
+        raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
+                         f"{', '.join(installed_solvers())}")
+    if effort not in EFFORTS:
+        raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
+
+
+def trace(model, args=(), *, loss: Callable | None = None, name: str | None = None,
+          optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5,
+          stats: CompileStats | None = None) -> Program:
+    """One training step of `model` on `args`, traced into an unoptimized
+    Program whose header is complete (device, optimizer state, comment).
+    `name` is the header's model name (default: the module's class name).
+    With `fake`, nothing is allocated (FakeTensorMode).  With cost="profile",
+    each op is timed on the model's device (`profile_repeats` runs, the
+    median) and the optimizer minimizes recomputed time instead of FLOPs."""
+    import torch
+
+    from remat_ir.check.simulate import optimizer_state_bytes
+    from remat_ir.runtime.load import ModelError
+    from remat_ir.trace.tracer import trace_module
+
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(f"compile() takes a torch.nn.Module, not {type(model).__name__}")
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    args = tuple(args)
+    if cost not in COST_MODELS:
+        raise ValueError(f"cost must be one of {', '.join(COST_MODELS)}, not {cost!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, not {optimizer!r}")
+    if cost == COST_PROFILE:
+        from remat_ir.runtime.profile import ProfileError
+
+        if fake:
+            raise ProfileError("cost 'profile' times each op on real tensors, and fake tensors have no "
+                               "data to run on: trace without fake, or use cost 'flops'")
+        if profile_repeats < 1:
+            raise ProfileError(f"profile_repeats must be at least 1, not {profile_repeats}")
+    name = type(model).__name__ if name is None else name
+
+    with _Clock(stats, "trace"):
+        program = trace_module(model, args, loss_fn=loss, model_name=name, fake=fake)
+        program.header.optim = optimizer
+        program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
+        shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
+        program.header.comment = [f"remat-ir plan: {name} ({shape})"]
+    if cost == COST_PROFILE:
+        from remat_ir.runtime.profile import profile_costs
+
+        with _Clock(stats, "profile"):
+            program = profile_costs(program, model, args, repeats=profile_repeats)
+        program.header.comment.append(f"op costs: median of {profile_repeats} timed runs on "
+                                      f"{program.header.device}")
+    return program
+
+
+def budget_bytes(program: Program, budget, scope: str = "total", *, time_limit: float = 60.0,
+                 solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None) -> int:
+    """`budget` (see the module's docstring) in bytes, for `program` in
+    `scope`.  Raises BudgetError when it cannot be read."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    with _Clock(stats, "budget"):
+        if isinstance(budget, str) and budget.strip().lower() == "floor":
+            from remat_ir.optimize.search import floor
+
+            nbytes = int(floor(program, scope, time_limit=time_limit, solver=solver, effort=effort))
+        else:
+            from remat_ir.optimize.search import resolve_budget
+
+            try:
+                nbytes = int(resolve_budget(program, budget, scope))
+            except ValueError as e:
+                raise BudgetError(str(e)) from e
+    if stats is not None:
+        stats.budget = nbytes
+    return nbytes
+
+
+def _verified(program: Program, stats: CompileStats | None) -> Program:
+    from remat_ir.check.verify import verify
+
+    with _Clock(stats, "verify"):
+        verdict = verify(program)
+    if not verdict.ok:
+        raise UnsoundPlan(verdict.errors)
+    return program
+
+
+def fit(program: Program, budget=None, *, scope: str = "total", time_limit: float = 60.0,
+        solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None) -> Program:
+    """The plan for `program` (as `trace` returns it) whose predicted peak in
+    `scope` fits `budget`, with the least recompute found within `time_limit`
+    seconds per solve; verified.  Without a budget: `program` itself,
+    verified.  The same `program` object for several budgets reuses the
+    optimizer's analysis."""
+    if budget is None:
+        return _verified(program, stats)
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    _check_optimizer_args(solver, effort)
+    nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
+                          stats=stats)
+    from remat_ir.optimize.search import optimize
+
+    with _Clock(stats, "optimize"):
+        result = optimize(program, nbytes, scope, time_limit=time_limit, solver=solver, effort=effort)
+    if stats is not None:
+        stats.optimized = result
+    return _verified(result.program, stats)
+
+
+def compile(model, args=(), *, loss: Callable | None = None, name: str | None = None, budget=None,
+            scope: str = "total", optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
+            profile_repeats: int = 5, time_limit: float = 60.0, solver: str = "HIGHS", effort: str = "fast",
+            stats: CompileStats | None = None) -> Program:
+    """Trace one training step of `model` on `args` and plan it for `budget`
+    (None: the unoptimized plan); the plan returned verifies.
+
+    `optimizer` ("none", "sgd", "adam"): whose state the prediction and a
+    total budget include.  `effort`: "fast" caps each per-block MILP at about
+    a second (plans can vary with machine load); "full" solves each to
+    optimality."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    if budget is not None:
+        _check_optimizer_args(solver, effort)  # before the trace, which can take minutes
+    program = trace(model, args, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
+                    profile_repeats=profile_repeats, stats=stats)
+    return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats)
+
+
+def plan_device(program: Program, device: str | None = None) -> str:
+    """The device to run `program` on: `device`, or the plan's own.  Raises
+    ValueError when it is not available, or of another type than the one the
+    plan was compiled for."""
+    import torch
+
+    device = device or program.header.device
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}, but no CUDA device is available")
+    if torch.device(device).type != torch.device(program.header.device).type:
+        raise ValueError(f"the plan was compiled for {program.header.device}; recompile it for {device}")
+    return device

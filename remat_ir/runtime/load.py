@@ -1,0 +1,94 @@
+"""Loading the MODEL argument of the CLI: a built-in name or a `.py` file.
+
+A model file defines `build()` returning `(module, example_inputs)` and,
+optionally, `loss(output, *inputs)`; the loss is then part of the step.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+class ModelError(ValueError):
+    """The MODEL argument cannot be loaded; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    module: torch.nn.Module
+    inputs: tuple
+    loss: Callable | None
+
+
+def load_model(spec: str, *, batch: int | None = None, seq: int | None = None, device: str = "cpu",
+               fake: bool = False, seed: int = 0) -> LoadedModel:
+    """Build the model named by `spec`.  With `fake`, inside a FakeTensorMode:
+    parameters and inputs have shapes but no memory."""
+    ctx = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        ctx = FakeTensorMode(allow_non_fake_inputs=True)
+    if spec.endswith(".py") or "/" in spec or Path(spec).is_file():
+        return _load_file(spec, ctx, device, batch, seq)
+    from remat_ir.models import BUILTINS, build_builtin
+
+    if spec not in BUILTINS:
+        raise ModelError(f"unknown model {spec!r}: give a built-in name ({', '.join(BUILTINS)}) "
+                         "or a .py file that defines build()")
+    with ctx:
+        module, inputs = build_builtin(spec, batch=batch, seq=seq, device=device, seed=seed)
+    return LoadedModel(spec, module, tuple(inputs), None)
+
+
+def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(f"{path}: no such model file")
+    name = f"_remat_model_{abs(hash(str(p.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:
+        raise ModelError(f"{path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 - the user's file; say where it failed
+        raise ModelError(f"{path}: importing the model file failed: {type(e).__name__}: {e}") from e
+    build = getattr(mod, "build", None)
+    if not callable(build):
+        raise ModelError(f"{path}: defines no build() function; it must define build() returning "
+                         "(module, example_inputs) and may define loss(output, *inputs)")
+    kwargs = {}
+    import inspect
+
+    params = inspect.signature(build).parameters
+    if batch is not None and "batch" in params:
+        kwargs["batch"] = batch
+    if seq is not None and "seq" in params:
+        kwargs["seq"] = seq
+    try:
+        with ctx:
+            built = build(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"{path}: build() failed: {type(e).__name__}: {e}") from e
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
+        raise ModelError(f"{path}: build() must return (module, example_inputs); got {type(built).__name__}")
+    module, inputs = built
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    inputs = tuple(inputs)
+    if device != "cpu":
+        module = module.to(device)
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    loss = getattr(mod, "loss", None)
+    if loss is not None and not callable(loss):
+        raise ModelError(f"{path}: `loss` must be a function loss(output, *inputs)")
+    return LoadedModel(p.stem, module, inputs, loss)

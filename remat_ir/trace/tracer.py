@@ -1,0 +1,591 @@
+"""Tracer: one training step (forward, loss, backward) to an IR program.
+
+The step is traced with `make_fx` into a joint aten graph: parameters,
+buffers, inputs and the tangents of the forward results are graph inputs; the
+forward results and the gradients are its outputs.  Module paths are recorded
+with forward hooks so values get names like `transformer.h.3.attn.softmax`.
+With `fake=True` nothing is allocated: shapes come from FakeTensorMode, so a
+GPT-2 medium step is planned in seconds on a laptop.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+from remat_ir import ir
+from remat_ir.ir.ops import RANDOM_OPS
+from remat_ir.ir import (
+    BACKWARD, BUFFER, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output,
+    Program, Value,
+)
+from remat_ir.ir.schedule import default_schedule
+from remat_ir.trace.rewrites import rewrite
+
+
+class TraceError(ValueError):
+    """The model cannot be traced into a program; the message says why and what to do."""
+
+
+# Ops that update their running-stat operands in place without saying so in
+# their schema.  Index of the `training` flag and of the mutated operands.
+_HIDDEN_MUTATORS = {
+    "aten.native_batch_norm.default": (5, (3, 4)),
+    "aten.cudnn_batch_norm.default": (5, (3, 4)),
+    "aten.miopen_batch_norm.default": (5, (3, 4)),
+}
+
+# Ops whose result depends on data the shapes don't tell: the program has
+# static shapes and cannot replay them.
+_UNSUPPORTED = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
+
+
+def trace_module(module: torch.nn.Module, example_inputs: tuple, *, loss_fn: Callable | None = None,
+                 model_name: str = "", fake: bool = False) -> Program:
+    """Trace one training step of `module` on `example_inputs`.
+
+    `loss_fn(output, *inputs)`, when given, is traced as part of the step and
+    its result is the forward result.  The module is traced in training mode.
+    """
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    was_training = module.training
+    module.train()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return _trace(module, example_inputs, loss_fn, model_name, fake)
+    finally:
+        module.train(was_training)
+
+
+def model_params(module: torch.nn.Module):
+    """(name, tensor, aliases) for each distinct parameter, in registration order."""
+    seen: dict[int, list] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            seen[id(p)][2].append(name)
+        else:
+            seen[id(p)] = [name, p, []]
+    return [tuple(x) for x in seen.values()]
+
+
+def model_buffers(module: torch.nn.Module):
+    seen: dict[int, list] = {}
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if id(b) not in seen:
+            seen[id(b)] = [name, b, []]
+        else:
+            seen[id(b)][2].append(name)
+    return [tuple(x) for x in seen.values()]
+
+
+def param_fingerprint(params, buffers) -> list[tuple[str, str, tuple[int, ...]]]:
+    rows = [(n, str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p, _ in params]
+    rows += [("buffer:" + n, str(b.dtype).removeprefix("torch."), tuple(b.shape)) for n, b, _ in buffers]
+    return rows
+
+
+def input_names(module: torch.nn.Module, n: int) -> list[str]:
+    try:
+        sig = inspect.signature(module.forward)
+        names = [p.name for p in sig.parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    names = names[:n]
+    return names + [f"input{i}" for i in range(len(names), n)]
+
+
+def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
+    params = model_params(module)
+    buffers = model_buffers(module)
+    for _, x in [(None, t) for t in inputs]:
+        if not isinstance(x, torch.Tensor):
+            raise TraceError(f"example inputs must be tensors; got {type(x).__name__}")
+    in_names = input_names(module, len(inputs))
+    trainable = [i for i, (_, p, _) in enumerate(params) if p.requires_grad]
+    grad_inputs = [i for i, x in enumerate(inputs) if x.requires_grad]
+
+    # Which fake mode: the model's own (built inside FakeTensorMode) or a new one.
+    existing = next((t.fake_mode for _, t, _ in params if isinstance(t, FakeTensor)), None)
+    mode = existing or FakeTensorMode(allow_non_fake_inputs=False)
+    if not fake and existing is None and any(t.is_meta for _, t, _ in params):
+        raise TraceError("the model's parameters are on the meta device; build it inside FakeTensorMode instead")
+
+    def fakeify(t):
+        if isinstance(t, FakeTensor):
+            return t
+        f = mode.from_tensor(t)
+        return f
+
+    with mode:
+        f_params = [fakeify(p).detach().requires_grad_(p.requires_grad) for _, p, _ in params]
+        f_bufs = [fakeify(b) for _, b, _ in buffers]
+        f_inputs = [fakeify(x).detach().requires_grad_(x.requires_grad) for x in inputs]
+
+    names = [n for n, _, _ in params]
+    bnames = [n for n, _, _ in buffers]
+
+    def run(ps, bs, xs):
+        state = dict(zip(names, ps))
+        state.update(zip(bnames, bs))
+        out = torch.func.functional_call(module, state, tuple(xs), tie_weights=True, strict=False)
+        if loss_fn is not None:
+            out = loss_fn(out, *xs)
+        return out
+
+    # A first pass to learn the forward results' structure and shapes.
+    try:
+        with mode:
+            probe = run(f_params, f_bufs, f_inputs)
+    except Exception as e:  # noqa: BLE001 - the model's own code failed under fake tensors
+        raise _explain(e) from e
+    flat_probe, spec = pytree.tree_flatten(probe)
+    for o in flat_probe:
+        if not isinstance(o, torch.Tensor):
+            raise TraceError(f"the forward returns a {type(o).__name__}; return tensors only "
+                             "(a tensor, or a tuple/list/dict of tensors)")
+    diff = [i for i, o in enumerate(flat_probe) if o.requires_grad]
+    if not diff:
+        raise TraceError("no forward result requires grad: nothing to train")
+    with mode:
+        f_tangents = [torch.ones_like(flat_probe[i]) for i in diff]
+    del probe, flat_probe
+
+    np_, nb, ni = len(f_params), len(f_bufs), len(f_inputs)
+
+    def step(*flat):
+        ps = list(flat[:np_])
+        bs = list(flat[np_:np_ + nb])
+        xs = list(flat[np_ + nb:np_ + nb + ni])
+        tans = flat[np_ + nb + ni:]
+        out = run(ps, bs, xs)
+        flat_out = pytree.tree_leaves(out)
+        wrt = [ps[i] for i in trainable] + [xs[i] for i in grad_inputs]
+        _tag_backward_ops([flat_out[i] for i in diff])
+        grads = torch.autograd.grad([flat_out[i] for i in diff], wrt, list(tans), allow_unused=True)
+        return flat_out, list(grads)
+
+    hooks = _install_module_hooks(module)
+    try:
+        with fx_traceback.preserve_node_meta(), mode:
+            gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_inputs, *f_tangents)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - make_fx raises many kinds; say what failed
+        raise _explain(e) from e
+    finally:
+        for h in hooks:
+            h.remove()
+
+    rewrite(gm)
+    return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
+                       loss_fn is not None, model_name)
+
+
+def _explain(e: Exception) -> TraceError:
+    """A TraceError naming the op when tracing hit one a static program cannot hold."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    if isinstance(e, (DynamicOutputShapeException, DataDependentOutputException)):
+        return TraceError(f"unsupported op {e.func}: its output depends on tensor values, which a plan "
+                          "with static shapes cannot replay; rewrite the model without it (e.g. use "
+                          "torch.where instead of boolean indexing)")
+    name = type(e).__name__
+    if "DataDependent" in name or "GuardOnDataDependent" in name:
+        return TraceError(f"unsupported data-dependent operation: {str(e).splitlines()[0]}")
+    return TraceError(f"tracing failed: {name}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _tag_backward_ops(outputs) -> None:
+    """Make each backward op carry the sequence number of the forward op it
+    differentiates (`seq_nr` in fx metadata), so it can be named after it."""
+    seen = set()
+    work = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while work:
+        fn = work.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        seq = fn._sequence_nr()
+
+        def pre(grad_outputs, seq=seq):
+            fx_traceback.set_grad_fn_seq_nr(seq)
+
+        def post(grad_inputs, grad_outputs):
+            fx_traceback.reset_grad_fn_seq_nr()
+
+        fn.register_prehook(pre)
+        fn.register_hook(post)
+        work.extend(f for f, _ in fn.next_functions if f is not None)
+
+
+def _install_module_hooks(module):
+    """Record the path of the module each op runs in, as fx node metadata."""
+    paths = {m: n for n, m in module.named_modules(remove_duplicate=False)}
+    stack: list[str] = []
+
+    def pre(mod, args):
+        stack.append(paths.get(mod, ""))
+        fx_traceback.current_meta["nn_module_stack"] = {p: (p, "") for p in stack}
+
+    def post(mod, args, out):
+        if stack:
+            stack.pop()
+        fx_traceback.current_meta["nn_module_stack"] = {p: (p, "") for p in stack}
+
+    hooks = []
+    for m in module.modules():
+        hooks.append(m.register_forward_pre_hook(pre))
+        hooks.append(m.register_forward_hook(post, always_call=True))
+    return hooks
+
+
+def _module_of(fx_node) -> str:
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    return list(stack)[-1] if stack else ""
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec, has_loss,
+                model_name) -> Program:
+    graph = gm.graph
+    fx_nodes = list(graph.nodes)
+    placeholders = [n for n in fx_nodes if n.op == "placeholder"]
+    out_node = next(n for n in fx_nodes if n.op == "output")
+    calls = [n for n in fx_nodes if n.op in ("call_function", "get_attr") and n.target is not operator.getitem]
+    for n in fx_nodes:
+        if n.op == "get_attr":
+            _constant_as_full(gm, n)
+        elif n.op == "call_function" and n.target is not operator.getitem and not isinstance(
+                n.target, torch._ops.OpOverload):
+            raise TraceError(f"unsupported call {n.target} in the traced graph")
+
+    values: list[Value] = []
+    vmap: dict[str, Value] = {}
+    owner_of_storage: dict[int, str] = {}
+    fx_value_name: dict[Any, str] = {}  # (fx node, index or None) -> value name
+    used_names: set[str] = set()
+
+    def unique(base: str) -> str:
+        name, i = base, 1
+        while name in used_names:
+            name = f"{base}_{i}"
+            i += 1
+        used_names.add(name)
+        return name
+
+    def add_value(name: str, kind: str, t: torch.Tensor, **kw) -> Value:
+        st = t.untyped_storage()
+        key = st._cdata
+        owner = owner_of_storage.get(key)
+        if owner is None:
+            owner_of_storage[key] = name
+            storage, nbytes = name, int(st.nbytes())
+        else:
+            storage, nbytes = owner, 0
+        v = Value(name=name, kind=kind, dtype=_dtype_name(t.dtype), shape=list(t.shape),
+                  stride=list(t.stride()), storage=storage, nbytes=nbytes, **kw)
+        values.append(v)
+        vmap[name] = v
+        return v
+
+    # Graph inputs, in the order `step` takes them.
+    np_, nb, ni = len(params), len(buffers), len(inputs)
+    for i, ph in enumerate(placeholders):
+        t = ph.meta["val"]
+        if i < np_:
+            pname, p, aliases = params[i]
+            name = unique(pname)
+            add_value(name, PARAM, t, source=pname, requires_grad=bool(p.requires_grad), aliases=list(aliases))
+        elif i < np_ + nb:
+            bname, _, aliases = buffers[i - np_]
+            name = unique(bname)
+            add_value(name, BUFFER, t, source=bname, aliases=list(aliases))
+        elif i < np_ + nb + ni:
+            j = i - np_ - nb
+            name = unique(in_names[j])
+            add_value(name, INPUT, t, source=in_names[j], requires_grad=bool(inputs[j].requires_grad))
+        else:
+            j = i - np_ - nb - ni
+            name = unique(f"d.result{diff[j]}" if len(diff) > 1 else "d.result")
+            add_value(name, TANGENT, t, source=str(diff[j]))
+        fx_value_name[(ph, None)] = name
+    tangent_nodes = set(placeholders[np_ + nb + ni:])
+
+    # Phase: forward = what the results need, plus what must happen in forward
+    # (buffer updates, random draws, so RNG use matches eager), closed over inputs.
+    depends_on_tangent: set = set()
+    for n in fx_nodes:
+        if n in tangent_nodes or any(a in depends_on_tangent for a in n.all_input_nodes):
+            depends_on_tangent.add(n)
+    result_fx = pytree.tree_leaves(out_node.args[0][0])
+    seeds = [r for r in result_fx if isinstance(r, torch.fx.Node)]
+    for n in calls:
+        if n in depends_on_tangent:
+            continue
+        if _is_random(n.target) or _mutated_indices(n):
+            seeds.append(n)
+    forward_set: set = set()
+    work = list(seeds)
+    while work:
+        n = work.pop()
+        if n in forward_set or n.op == "placeholder":
+            continue
+        forward_set.add(n)
+        work.extend(n.all_input_nodes)
+
+    # Names: module path + op; backward nodes: "d." + the module of the
+    # forward values they read.
+    module_of: dict = {}
+    fwd_module_by_seq: dict[int, str] = {}
+    for n in calls:
+        if n in forward_set and _module_of(n):
+            fwd_module_by_seq.setdefault(n.meta.get("seq_nr", -1), _module_of(n))
+    nodes: list[Node] = []
+    for n in calls:
+        if n.target is operator.getitem:
+            continue
+        if n.op == "get_attr":
+            n.meta.setdefault("nn_module_stack", _module_stack_of_users(n))
+            opname = "constant"
+        else:
+            opname = n.target._opname
+        phase = FORWARD if n in forward_set else BACKWARD
+        if phase == FORWARD or n not in depends_on_tangent and _module_of(n):
+            mod = _module_of(n)
+        elif n.meta.get("seq_nr", -1) in fwd_module_by_seq:
+            mod = fwd_module_by_seq[n.meta["seq_nr"]]
+        else:
+            mod = _backward_module(n, module_of, forward_set)
+        module_of[n] = mod
+        base = f"{mod}.{opname}" if mod else opname
+        if phase == BACKWARD:
+            base = "d." + base
+        name = unique(base)
+        val = n.meta.get("val")
+        outs: list[str] = []
+        if isinstance(val, torch.Tensor):
+            add_value(name, VALUE, val)
+            fx_value_name[(n, None)] = name
+            outs = [name]
+        elif isinstance(val, (tuple, list)):
+            getitems = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+            for k, item in enumerate(val):
+                if isinstance(item, torch.Tensor) and k in getitems:
+                    oname = unique(f"{name}:{k}")
+                    add_value(oname, VALUE, item)
+                    fx_value_name[(getitems[k], None)] = oname
+                    outs.append(oname)
+                else:
+                    outs.append("")
+            # Trailing unused outputs carry no information.
+            while outs and outs[-1] == "":
+                outs.pop()
+        elif val is None:
+            outs = []
+        else:
+            raise TraceError(f"{n.target} returns {type(val).__name__}, which a static program cannot hold")
+        if str(n.target) in _UNSUPPORTED:
+            raise TraceError(f"unsupported op {n.target} (data-dependent) at {mod or 'top level'}")
+        if n.op == "get_attr":
+            nodes.append(Node(name=name, op="aten.full.default", args=n.meta["full_args"],
+                              kwargs=n.meta["full_kwargs"], outputs=outs, phase=phase, module=mod,
+                              flops=float(val.numel())))
+            continue
+        nodes.append(Node(
+            name=name, op=_op_string(n.target), args=[_arg(a, fx_value_name) for a in n.args],
+            kwargs={k: _arg(a, fx_value_name) for k, a in n.kwargs.items()}, outputs=outs, phase=phase,
+            module=mod, random=_is_random(n.target),
+            mutates=[fx_value_name[(n.args[i], None)] for i in _mutated_indices(n)],
+            flops=_flops(n),
+        ))
+
+    # Outputs: forward results, then gradients.
+    outputs: list[Output] = []
+    results_fx, grads_fx = out_node.args[0]
+    for i, r in enumerate(results_fx):
+        if not isinstance(r, torch.fx.Node) or r.op == "placeholder":
+            raise TraceError(f"forward result {i} is an input or a constant; return computed tensors")
+        outputs.append(Output(RESULT, str(i), fx_value_name[(r, None)]))
+    wrt = [values[i].name for i in trainable] + [values[np_ + nb + j].name for j in grad_inputs]
+    produced = set()
+    for key, g in zip(wrt, grads_fx):
+        if g is None:
+            continue
+        if not isinstance(g, torch.fx.Node) or g.op == "placeholder" or g in forward_set:
+            raise TraceError(f"the gradient of {key} is not computed by the backward pass "
+                             "(it is an input or forward value); this model is not supported")
+        gname = fx_value_name[(g, None)]
+        if gname in produced:
+            raise TraceError(f"two gradients share the value {gname}; not supported")
+        produced.add(gname)
+        outputs.append(Output(GRAD, key, gname))
+
+    # Keep graph order within each phase; forward first.
+    nodes.sort(key=lambda nd: 0 if nd.phase == FORWARD else 1)
+    header = Header(model=model_name, device=_device_of(params, buffers, inputs), output_spec=pytree.treespec_dumps(spec),
+                    has_loss=has_loss)
+    program = Program(header=header, values=values, nodes=nodes, forward=[], backward=[], outputs=outputs)
+    header.fingerprint = fingerprint(param_fingerprint(params, buffers), program)
+    program.forward, program.backward = default_schedule(program)
+    return program
+
+
+def _constant_as_full(gm, n) -> None:
+    """A tensor constant the model makes in its forward (`torch.tensor(...)`)
+    becomes an `aten.full` node when all its elements are equal; a program has
+    no other way to hold data."""
+    c = getattr(gm, n.target)
+    flat = c.detach().reshape(-1)
+    if flat.numel() and not bool((flat == flat[0]).all()):
+        users = ", ".join(str(u.target) for u in n.users)
+        raise TraceError(f"the model creates a non-uniform tensor constant of shape {list(c.shape)} in its "
+                         f"forward (used by {users}); register it as a buffer instead")
+    fill = flat[0].item() if flat.numel() else 0
+    n.meta["val"] = c
+    n.meta["full_args"] = [ir.Seq(list(c.shape)), _arg(fill, {})]
+    n.meta["full_kwargs"] = {"dtype": ir.DType(_dtype_name(c.dtype)), "layout": ir.Layout("strided"),
+                             "device": ir.Device(str(c.device)), "pin_memory": False}
+
+
+def _module_stack_of_users(n) -> dict:
+    for u in n.users:
+        if u.meta.get("nn_module_stack"):
+            return u.meta["nn_module_stack"]
+    return {}
+
+
+def fingerprint(param_rows, program: Program) -> str:
+    h = hashlib.sha256()
+    for row in param_rows:
+        h.update(repr(row).encode())
+    for n in program.nodes:
+        h.update(n.op.encode())
+        h.update(repr([v for v in n.outputs]).encode())
+    return h.hexdigest()[:16]
+
+
+def _device_of(params, buffers, inputs) -> str:
+    """Where the step runs: the device type of the first parameter, buffer or
+    input tensor (fake tensors carry the device they stand for)."""
+    for t in [p for _, p, _ in params] + [b for _, b, _ in buffers] + list(inputs):
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _backward_module(n, module_of, forward_set) -> str:
+    """Name a backward op after the forward op whose saved values it reads."""
+    best = ""
+    for a in n.all_input_nodes:
+        if a in forward_set or (a.target is operator.getitem and a.args[0] in forward_set):
+            src = a.args[0] if a.target is operator.getitem else a
+            m = module_of.get(src, "")
+            if len(m) > len(best):
+                best = m
+    if best:
+        return best
+    for a in n.all_input_nodes:
+        src = a.args[0] if a.target is operator.getitem else a
+        if src in module_of:
+            return module_of[src]
+    return ""
+
+
+def _op_string(op: torch._ops.OpOverload) -> str:
+    ns = op.namespace
+    return f"{ns}.{op._opname}.{op._overloadname}"
+
+
+def _is_random(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in op.tags or op in RANDOM_OPS)
+
+
+def _mutated_indices(n) -> list[int]:
+    op = n.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return []
+    key = _op_string(op)
+    if key in _HIDDEN_MUTATORS:
+        flag, idx = _HIDDEN_MUTATORS[key]
+        training = n.args[flag] if len(n.args) > flag else False
+        return [i for i in idx if training and i < len(n.args) and isinstance(n.args[i], torch.fx.Node)]
+    out = []
+    for i, a in enumerate(op._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write and i < len(n.args) \
+                and isinstance(n.args[i], torch.fx.Node):
+            out.append(i)
+    return out
+
+
+def _arg(a, names) -> ir.Arg:
+    if isinstance(a, torch.fx.Node):
+        key = (a, None)
+        if key not in names:
+            raise TraceError(f"operand {a.name} has no tensor value")
+        return ir.Ref(names[key])
+    if isinstance(a, (list, tuple)):
+        return ir.Seq([_arg(x, names) for x in a])
+    if isinstance(a, bool) or a is None or isinstance(a, (int, str)):
+        return a
+    if isinstance(a, float):
+        if a != a:
+            return ir.Special("nan")
+        if a in (float("inf"), float("-inf")):
+            return ir.Special("inf" if a > 0 else "-inf")
+        return a
+    if isinstance(a, torch.dtype):
+        return ir.DType(_dtype_name(a))
+    if isinstance(a, torch.device):
+        return ir.Device(str(a))
+    if isinstance(a, torch.layout):
+        return ir.Layout(str(a).removeprefix("torch."))
+    if isinstance(a, torch.memory_format):
+        return ir.MemoryFormat(str(a).removeprefix("torch."))
+    raise TraceError(f"unsupported operand {a!r} of type {type(a).__name__}")
+
+
+def _flops(n) -> float:
+    """FLOPs of one op: torch's formulas for matmuls/convs/attention, one per
+    output element for everything else, zero for views."""
+    op = n.target
+    val = n.meta.get("val")
+    if "flops" in n.meta:  # set by a rewrite that fused several ops
+        return n.meta["flops"]
+    if op._overloadpacket in flop_registry:
+        try:
+            args = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, n.args)
+            kwargs = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a,
+                                     n.kwargs)
+            return float(flop_registry[op._overloadpacket](*args, **kwargs, out_val=val))
+        except Exception:  # noqa: BLE001 - fall back to the elementwise estimate
+            pass
+    if op.is_view or any(r.alias_info is not None for r in op._schema.returns):
+        return 0.0
+    outs = val if isinstance(val, (tuple, list)) else [val]
+    return float(sum(t.numel() for t in outs if isinstance(t, torch.Tensor)))
+
+
+def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *, fake: bool = False,
+                  device: str = "cpu") -> Program:
+    """Trace a built-in model (see `remat_ir.models`) with its default inputs."""
+    from remat_ir.runtime.load import load_model
+
+    m = load_model(name, batch=batch, seq=seq, device=device, fake=fake)
+    program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name, fake=fake)
+    program.header.device = device
+    return program
