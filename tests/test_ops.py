@@ -1,4 +1,4 @@
-"""The ops remat-ir adds to aten give eager PyTorch's bits (remat_ir/ops.py)."""
+"""The ops remat-ir adds to aten give eager PyTorch's bits (remat_ir/ir/ops.py)."""
 from __future__ import annotations
 
 import pytest

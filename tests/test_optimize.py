@@ -1,6 +1,6 @@
 """The optimizer: plans fit their budget, the floor is exact on tiny graphs,
 and the MILP's recompute cost equals a brute-force search over the plan
-family (keep or recompute each forward node; see `remat_ir/family.py`)."""
+family (keep or recompute each forward node; see `remat_ir/optimize/family.py`)."""
 from __future__ import annotations
 
 import itertools

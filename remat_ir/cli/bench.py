@@ -7,7 +7,7 @@ Every method trains the same model (same initial weights, same inputs, same
 seeds, dropout on) and is measured the same way:
 
 * memory: the *second* step (``.grad`` present) of each method, measured with
-  `remat_ir.memtrack.measure_step` (CPU: the storage-tracking dispatch mode;
+  `remat_ir.runtime.memtrack.measure_step` (CPU: the storage-tracking dispatch mode;
   CUDA: ``torch.cuda.max_memory_allocated``).  "activations" is the peak above
   what exists before the step: parameters, buffers, inputs, gradients and
   optimizer state (the totals include these, counted for the method's own

@@ -4,7 +4,7 @@
                                         there, and what the plan recomputes
     remat-show PLAN.rir --png FILE      the memory timeline as a picture
 
-The timeline is the simulator's (`remat_ir.simulate`): live bytes right after
+The timeline is the simulator's (`remat_ir.check.simulate`): live bytes right after
 each instruction's allocation, by category, in the steady state (`.grad`
 present; `--first-step` for the first step, without `.grad`).
 
