@@ -179,3 +179,60 @@ def test_compile_api_takes_the_device_from_the_model():
     net, args, loss = _small_net()
     plan = remat_ir.compile(net.cuda(), tuple(a.cuda() for a in args), loss=loss)
     assert plan.header.device == "cuda"
+
+
+# ------------------------------------------------------------- bad flags
+
+
+def test_output_over_the_model_source_is_refused(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text(open(os.path.join(ROOT, "examples", "mlp_with_loss.py")).read())
+    before = src.read_text()
+    assert compile_main([str(src), "-o", str(src), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "is the model file itself" in err and str(src) in err
+    assert src.read_text() == before
+
+
+def test_output_into_a_missing_directory_fails_first(tmp_path, capsys, monkeypatch):
+    import remat_ir.runtime.load as load
+
+    def no_load(*a, **k):  # the check must come before the model is even built
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(load, "load_model", no_load)
+    path = tmp_path / "nowhere" / "p.rir"
+    assert compile_main(["mlp", "-o", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {path}: no directory" in err and ".tmp" not in err
+
+
+def test_scope_without_budget_is_refused(tmp_path, capsys):
+    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--scope", "activations"]) == 2
+    assert "--scope activations says what --budget" in capsys.readouterr().err
+    assert not (tmp_path / "p.rir").exists()
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_run_refuses_steps_below_one(tiny_plan, capsys, steps):
+    assert run_main([str(tiny_plan), "gpt2-tiny", "--steps", steps]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_run_exits_1_when_memory_is_outside_the_prediction(tiny_plan, tmp_path, capsys):
+    # The same plan with every parameter's declared bytes doubled: sound, but
+    # it predicts a peak the run cannot meet.
+    text = tiny_plan.read_text()
+    lines = []
+    for ln in text.splitlines():
+        words = ln.split()
+        if len(words) > 4 and words[1] == "param" and words[3].isdigit() and words[4] == "bytes":
+            ln = ln.replace(f" {words[3]} bytes", f" {int(words[3]) * 64} bytes", 1)
+        lines.append(ln)
+    bad = tmp_path / "big.rir"
+    bad.write_text("\n".join(lines) + "\n")
+    assert verify_main([str(bad)]) == 0
+    capsys.readouterr()
+    assert run_main([str(bad), "gpt2-tiny", "--steps", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "OUTSIDE" in captured.out and "outside 1% + 1 MiB" in captured.err

@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import time
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_INPUT, EXIT_OK, CliError, run_cli
@@ -102,6 +103,11 @@ def _compile(argv) -> int:
     from remat_ir.runtime.load import load_model
 
     # Flags are checked before any work, so a typo fails in a second.
+    _check_output(args.output, args.model)
+    if args.scope != "total" and args.budget is None and not (
+            args.pareto or args.pareto_points is not None or args.pareto_png is not None):
+        raise CliError(f"--scope {args.scope} says what --budget (or --pareto) measures; give --budget, "
+                       f"or drop --scope")
     if args.cost == "profile" and args.fake:
         raise CliError("--cost profile times each op on real tensors, and --fake tensors have no data "
                        "to run on: drop --fake, or use --cost flops")
@@ -170,6 +176,19 @@ def _compile(argv) -> int:
         t_trace = t_load + stats.seconds["trace"]
         print("; ".join([f"traced in {t_trace:.1f} s", f"wrote {args.output}"] + notes))
     return EXIT_OK
+
+
+def _check_output(output: str, model: str) -> None:
+    """Refuse, before any work, an -o that cannot be written or that is the
+    model's own source file."""
+    if os.path.exists(model) and os.path.exists(output) and os.path.samefile(model, output):
+        raise CliError(f"-o {output} is the model file itself; write the plan elsewhere (e.g. "
+                       f"{os.path.splitext(output)[0]}.rir)")
+    d = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(d):
+        raise CliError(f"cannot write {output}: no directory {d}")
+    if os.path.isdir(output):
+        raise CliError(f"cannot write {output}: it is a directory")
 
 
 def _sweep(program, args, points: int, say) -> tuple[list, float]:
@@ -242,6 +261,8 @@ def _run(argv) -> int:
     p.add_argument("--seq", type=int)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.steps < 1:
+        raise CliError(f"--steps must be at least 1, not {args.steps}")
     import remat_ir
     from remat_ir.ir.printer import human_bytes
     from remat_ir.pipeline import plan_device
@@ -293,6 +314,9 @@ def _run(argv) -> int:
                       f"{'bitwise equal' if c.grads_equal else f'DIFFER (max abs {c.max_abs_grad_diff:.3g} at {c.worst})'}")
         print(f"memory prediction {'within' if ok_mem else 'OUTSIDE'} 1% + 1 MiB")
     if args.check and not r.grads_match:
+        return EXIT_FAIL
+    if not ok_mem:
+        print("remat-run: the measured peak is outside 1% + 1 MiB of the predicted one", file=sys.stderr)
         return EXIT_FAIL
     return EXIT_OK
 
