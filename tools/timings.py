@@ -3,7 +3,8 @@
     python tools/timings.py [--model gpt2-medium] [--batch 4] [--seq 512]
 
 Runs `remat-compile MODEL --fake` and `remat-verify` as subprocesses (so
-interpreter start-up and imports count), then times the stages in-process.
+interpreter start-up and imports count), then times the stages in-process,
+and the model check `wrap` runs before a plan (`remat_ir.runtime.bind`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def main(argv=None) -> None:
         from remat_ir.ir.printer import format_program
         from remat_ir.trace.tracer import trace_module
         from remat_ir.check.verify import verify
+        from remat_ir.runtime.bind import check_graph
 
         rows = [(f"remat-compile {args.model} --fake (process)", t_compile, rc1),
                 ("remat-verify (process)", t_verify, rc2)]
@@ -61,6 +63,10 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         parse_program(text)
         rows.append(("parse", time.perf_counter() - t0, 0))
+        # What wrap() adds before a plan runs: the model traced again, compared op by op.
+        t0 = time.perf_counter()
+        check_graph(m.module, program)
+        rows.append(("model check in wrap (fake retrace + compare)", time.perf_counter() - t0, 0))
     print(f"{args.model}, batch {args.batch}, seq {args.seq}, {os.cpu_count()} cores")
     print(f"| {'stage':<48} | {'seconds':>8} |")
     print(f"|{'-' * 50}|{'-' * 10}|")

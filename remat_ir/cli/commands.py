@@ -260,6 +260,9 @@ def _run(argv) -> int:
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-model-check", action="store_true",
+                   help="skip retracing the model to check that it still produces the plan's graph "
+                        "(only for a model you know is unchanged)")
     args = p.parse_args(argv)
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, not {args.steps}")
@@ -279,7 +282,8 @@ def _run(argv) -> int:
         raise CliError(str(e)) from e
     shapes = {v.name: v.shape for v in program.values if v.kind == "input"}
     model = load_model(args.model, batch=args.batch, seq=args.seq, device=device, seed=args.seed)
-    r = run_plan(program, model, steps=args.steps, device=device, check=args.check, seed=args.seed)
+    r = run_plan(program, model, steps=args.steps, device=device, check=args.check, seed=args.seed,
+                 check_model=not args.no_model_check)
     ok_mem = r.within_tolerance()
     if args.json:
         print(json.dumps({

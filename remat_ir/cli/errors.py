@@ -28,7 +28,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
     matched by name so that this never imports the optimizer)."""
     from remat_ir.ir.syntax import RirSyntaxError
     from remat_ir.pipeline import BudgetError
-    from remat_ir.runtime.interpret import PlanMismatch
+    from remat_ir.runtime.bind import PlanMismatch
     from remat_ir.runtime.load import ModelError
     from remat_ir.runtime.profile import ProfileError
     from remat_ir.trace.tracer import TraceError

@@ -21,12 +21,9 @@ from torch.utils import _pytree as pytree
 
 from remat_ir import ir
 
-from remat_ir.ir import ops
+from remat_ir.ir import ops  # noqa: F401 - registers the remat.* ops that plans name
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
-
-
-class PlanMismatch(ValueError):
-    """The plan does not fit the model or the inputs it is used with."""
+from remat_ir.runtime.bind import PlanMismatch, check_graph, check_parameters, check_sound
 
 
 # ------------------------------------------------------------------ codegen
@@ -249,11 +246,14 @@ class RematModule(torch.nn.Module):
     """`model` run by a plan.  Training steps (train mode, grad enabled) follow
     the plan; evaluation and `no_grad` calls run the model eagerly."""
 
-    def __init__(self, model: torch.nn.Module, program: Program, loss_fn=None):
+    def __init__(self, model: torch.nn.Module, program: Program, loss_fn=None, check_model: bool = True):
         super().__init__()
-        check_fingerprint(model, program)
+        check_parameters(model, program)
         if program.header.has_loss and loss_fn is None:
             raise PlanMismatch("this plan includes a loss function: pass it as wrap(model, plan, loss=fn)")
+        check_sound(program)
+        if check_model:
+            check_graph(model, program, loss_fn)
         self.module = model
         self.loss_fn = loss_fn
         self.program = program
@@ -305,36 +305,11 @@ class RematModule(torch.nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
-def wrap(model: torch.nn.Module, program: Program, loss=None) -> RematModule:
-    """`model` run by `program`; `loss` is the loss function when the plan includes one."""
-    return RematModule(model, program, loss)
+def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bool = True) -> RematModule:
+    """`model` run by `program`; `loss` is the loss function when the plan includes one.
 
-
-def check_fingerprint(model: torch.nn.Module, program: Program) -> None:
-    """Refuse a plan made for another model, naming the first difference."""
-    from remat_ir.trace.tracer import model_buffers, model_params
-
-    plan_params = {v.source: v for v in program.values if v.kind == PARAM}
-    plan_buffers = {v.source: v for v in program.values if v.kind == BUFFER}
-    have = {n: p for n, p, _ in model_params(model)}
-    for name, v in plan_params.items():
-        p = have.get(name)
-        if p is None:
-            raise PlanMismatch(f"the plan's parameter {name} does not exist in this model "
-                               f"(plan for {program.header.model or 'another model'})")
-        if list(p.shape) != v.shape or str(p.dtype) != "torch." + v.dtype:
-            raise PlanMismatch(f"parameter {name}: the plan expects {v.dtype}{v.shape}, the model has "
-                               f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}")
-        if bool(p.requires_grad) != v.requires_grad:
-            raise PlanMismatch(f"parameter {name}: requires_grad is {p.requires_grad} in the model but "
-                               f"{v.requires_grad} in the plan")
-    extra = [n for n in have if n not in plan_params]
-    if extra:
-        raise PlanMismatch(f"the model has parameter {extra[0]}, which the plan does not know "
-                           f"({len(extra)} unknown in all)")
-    have_b = {n: b for n, b, _ in model_buffers(model)}
-    for name, v in plan_buffers.items():
-        b = have_b.get(name)
-        if b is None or list(b.shape) != v.shape or str(b.dtype) != "torch." + v.dtype:
-            raise PlanMismatch(f"buffer {name}: the plan expects {v.dtype}{v.shape}, the model has "
-                               + ("none" if b is None else f"{str(b.dtype).removeprefix('torch.')}{list(b.shape)}"))
+    Refuses (PlanMismatch) a plan made for other parameters, an unsound plan,
+    and, unless `check_model=False`, a plan whose graph the model no longer
+    produces (the step is traced again under fake tensors: see
+    `remat_ir.runtime.bind`)."""
+    return RematModule(model, program, loss, check_model)

@@ -1,0 +1,155 @@
+"""Binding a plan to a model: `wrap` runs a plan only on the model it was made for.
+
+A plan's graph section is derived from the model's code, and the interpreter
+trusts it: run on a model whose code has changed since (`.relu()` become
+`.tanh()`, same parameters), it would silently train the old graph.  So
+before a plan runs, three checks, cheapest first:
+
+* `check_parameters`: the model has exactly the plan's parameters and
+  buffers (names, shapes, dtypes, requires_grad);
+* `check_sound`: the verifier accepts the plan (a hand-edited unsound plan is
+  refused with the verifier's own message, not a failure deep in generated
+  code);
+* `check_graph`: the model, traced again under FakeTensorMode (nothing is
+  allocated) with the plan's input shapes, produces the plan's graph section
+  op for op; the first op that differs is named with its module path.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from remat_ir.ir import BUFFER, INPUT, PARAM, Node, Program, Value
+
+
+class PlanMismatch(ValueError):
+    """The plan does not fit the model or the inputs it is used with."""
+
+
+_RECOMPILE = ("recompile the plan for this model (remat-compile), or, for a model you know is "
+              "unchanged, skip this check with wrap(..., check_model=False) / remat-run --no-model-check")
+
+
+def check_parameters(model: torch.nn.Module, program: Program) -> None:
+    """Refuse a plan made for another model, naming the first difference."""
+    from remat_ir.trace.tracer import model_buffers, model_params
+
+    plan_params = {v.source: v for v in program.values if v.kind == PARAM}
+    plan_buffers = {v.source: v for v in program.values if v.kind == BUFFER}
+    have = {n: p for n, p, _ in model_params(model)}
+    for name, v in plan_params.items():
+        p = have.get(name)
+        if p is None:
+            raise PlanMismatch(f"the plan's parameter {name} does not exist in this model "
+                               f"(plan for {program.header.model or 'another model'})")
+        if list(p.shape) != v.shape or str(p.dtype) != "torch." + v.dtype:
+            raise PlanMismatch(f"parameter {name}: the plan expects {v.dtype}{v.shape}, the model has "
+                               f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}")
+        if bool(p.requires_grad) != v.requires_grad:
+            raise PlanMismatch(f"parameter {name}: requires_grad is {p.requires_grad} in the model but "
+                               f"{v.requires_grad} in the plan")
+    extra = [n for n in have if n not in plan_params]
+    if extra:
+        raise PlanMismatch(f"the model has parameter {extra[0]}, which the plan does not know "
+                           f"({len(extra)} unknown in all)")
+    have_b = {n: b for n, b, _ in model_buffers(model)}
+    for name, v in plan_buffers.items():
+        b = have_b.get(name)
+        if b is None or list(b.shape) != v.shape or str(b.dtype) != "torch." + v.dtype:
+            raise PlanMismatch(f"buffer {name}: the plan expects {v.dtype}{v.shape}, the model has "
+                               + ("none" if b is None else f"{str(b.dtype).removeprefix('torch.')}{list(b.shape)}"))
+
+
+def check_sound(program: Program) -> None:
+    """Refuse a plan the verifier rejects, with its first errors."""
+    from remat_ir.check.verify import verify
+
+    verdict = verify(program)
+    if not verdict.ok:
+        shown = "; ".join(str(d) for d in verdict.errors[:3])
+        more = f" (and {len(verdict.errors) - 3} more)" if len(verdict.errors) > 3 else ""
+        raise PlanMismatch(f"the plan is not sound: {shown}{more}; run remat-verify on it")
+
+
+def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
+    """Refuse a plan whose graph section this model no longer produces: the
+    step is traced again under fake tensors, with inputs of the plan's
+    shapes, dtypes and strides, and compared with the plan node by node."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from remat_ir.trace.tracer import TraceError, trace_module
+
+    # A model built inside FakeTensorMode traces in its own mode.
+    mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    device = next((p.device for p in model.parameters()), torch.device(program.header.device))
+    with mode or contextlib.nullcontext():
+        inputs = tuple(_blank(v, device) for v in program.values if v.kind == INPUT)
+    was_training = model.training
+    try:
+        fresh = trace_module(model, inputs, loss_fn=loss_fn, model_name=program.header.model, fake=True)
+    except TraceError as e:
+        raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
+    finally:
+        model.train(was_training)
+    difference = _first_difference(program, fresh)
+    if difference:
+        raise PlanMismatch(f"this model no longer produces the plan's graph: {difference}; {_RECOMPILE}")
+
+
+def _blank(v: Value, device) -> torch.Tensor:
+    t = torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=device)
+    if list(t.stride()) != v.stride:
+        t = torch.empty_strided(v.shape, v.stride, dtype=t.dtype, device=device).zero_()
+    return t.requires_grad_(v.requires_grad)
+
+
+def _call(n: Node) -> str:
+    args = [a.name if hasattr(a, "name") and type(a).__name__ == "Ref" else repr(a) for a in n.args]
+    args += [f"{k}={v!r}" for k, v in n.kwargs.items()]
+    text = f"{n.op}({', '.join(args)})"
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _where(n: Node) -> str:
+    return f"node {n.name}" + (f" (module {n.module})" if n.module else "")
+
+
+# What a node and a value are, for the comparison: everything but costs
+# (flops, measured time_us), which do not change what runs.
+_NODE_FIELDS = ("name", "op", "args", "kwargs", "outputs", "phase", "random", "mutates")
+_VALUE_FIELDS = ("kind", "dtype", "shape", "stride", "storage", "nbytes", "source", "requires_grad",
+                 "aliases")
+
+
+def _first_difference(plan: Program, fresh: Program) -> str:
+    """The first way in which `fresh` (the model traced now) differs from
+    `plan`, in words; "" when the graphs are the same."""
+    for a, b in zip(plan.nodes, fresh.nodes):
+        if a.op != b.op or a.args != b.args or a.kwargs != b.kwargs:
+            return f"at {_where(a)} the plan runs {_call(a)}, the model now runs {_call(b)}"
+        for f in _NODE_FIELDS:
+            if getattr(a, f) != getattr(b, f):
+                return (f"at {_where(a)} the plan has {f} {getattr(a, f)!r}, the model now gives "
+                        f"{getattr(b, f)!r}")
+    if len(plan.nodes) != len(fresh.nodes):
+        if len(plan.nodes) > len(fresh.nodes):
+            n = plan.nodes[len(fresh.nodes)]
+            return f"the model now ends before the plan's {_where(n)}: {_call(n)}"
+        n = fresh.nodes[len(plan.nodes)]
+        return f"the model now runs more ops, from {_where(n)}: {_call(n)}"
+    fresh_values = fresh.value_map()
+    for v in plan.values:
+        w = fresh_values.get(v.name)
+        if w is None:
+            return f"the plan's value {v.name} no longer exists"
+        for f in _VALUE_FIELDS:
+            if getattr(v, f) != getattr(w, f):
+                return f"value {v.name}: the plan has {f} {getattr(v, f)!r}, the model now gives {getattr(w, f)!r}"
+    for f in ("output_spec", "has_loss"):
+        if getattr(plan.header, f) != getattr(fresh.header, f):
+            return f"the step's {f} changed (the plan: {getattr(plan.header, f)!r}, the model now: " \
+                   f"{getattr(fresh.header, f)!r})"
+    if [(o.kind, o.key, o.value) for o in plan.outputs] != [(o.kind, o.key, o.value) for o in fresh.outputs]:
+        return "the step's outputs changed"
+    return ""
