@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from remat_ir.ir import COST_FLOPS, COST_MODELS, COST_PROFILE, Program
+from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import OPTIMIZER_STATES
 
 __all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "compile", "fit", "plan_device",
@@ -134,6 +135,7 @@ def trace(model, args=(), *, loss: Callable | None = None, name: str | None = No
         program = trace_module(model, args, loss_fn=loss, model_name=name, fake=fake)
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
+        program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it
         shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
         program.header.comment = [f"remat-ir plan: {name} ({shape})"]
     if cost == COST_PROFILE:

@@ -11,7 +11,10 @@ forward one (reading the tangent, backward temporaries and saved forward
 values, accumulating gradients of values used twice, producing one gradient
 output per trainable parameter, some of them views), and the default schedule.
 
-Ops are plausible strings only; these programs are never executed.
+The ops are real aten ops, and every value's dtype, shape, strides, bytes and
+storage owner are what the op gives it: the builder runs each op under
+FakeTensorMode, as the tracer does, so the programs pass the verifier's type
+check of the graph (`remat_ir.check.typecheck`).  They are never executed.
 
 `programs()` is the hypothesis strategy wrapping it.  Both are meant to be
 reused by the optimizer's property tests.
@@ -19,6 +22,9 @@ reused by the optimizer's property tests.
 from __future__ import annotations
 
 import random as _random
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat_ir.ir import (
     BACKWARD, BUFFER, DTYPE_BYTES, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header,
@@ -55,7 +61,15 @@ def _numel(shape) -> int:
     return n
 
 
+def _resolve(op: str):
+    ns, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
 class _Builder:
+    """Declares graph inputs, and adds nodes whose outputs' facts come from
+    running the op on fake tensors (the tracer's way)."""
+
     def __init__(self, rng: _random.Random):
         self.rng = rng
         self.values: list[Value] = []
@@ -63,6 +77,9 @@ class _Builder:
         self.nodes: list[Node] = []
         self.names: set[str] = set()
         self.node_names: set[str] = set()
+        self.mode = FakeTensorMode()
+        self.fake: dict[str, torch.Tensor] = {}  # value name -> its fake tensor
+        self.owner_of: dict[int, str] = {}  # fake storage id -> owner value
 
     def unique(self, base: str, names: set[str]) -> str:
         name, i = base, 1
@@ -72,28 +89,51 @@ class _Builder:
         names.add(name)
         return name
 
-    def value(self, base: str, kind: str, shape, *, dtype="float32", stride=None, view_of=None,
-              requires_grad=False, source="") -> str:
+    def _declare(self, base: str, kind: str, t: torch.Tensor, **kw) -> str:
         name = self.unique(base, self.names)
-        shape = list(shape)
-        stride = list(stride) if stride is not None else contiguous_stride(shape)
-        if view_of is None:
-            storage, nbytes = name, _nbytes(shape, stride, dtype)
+        st = t.untyped_storage()
+        owner = self.owner_of.get(st._cdata)
+        if owner is None:
+            self.owner_of[st._cdata] = name
+            storage, nbytes = name, int(st.nbytes())
         else:
-            storage, nbytes = self.vmap[view_of].storage, 0
-        v = Value(name=name, kind=kind, dtype=dtype, shape=shape, stride=stride, storage=storage,
-                  nbytes=nbytes, source=source, requires_grad=requires_grad)
+            storage, nbytes = owner, 0
+        v = Value(name=name, kind=kind, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                  stride=list(t.stride()), storage=storage, nbytes=nbytes, **kw)
         self.values.append(v)
         self.vmap[name] = v
+        self.fake[name] = t
         return name
 
-    def node(self, base: str, op: str, args, outputs, phase, *, random=False, mutates=(),
-             flops=0.0, module="") -> str:
-        name = self.unique(base, self.node_names)
-        self.nodes.append(Node(name=name, op=op, args=list(args), kwargs={}, outputs=list(outputs),
-                               phase=phase, module=module, random=random, mutates=list(mutates),
-                               flops=float(flops)))
-        return name
+    def value(self, base: str, kind: str, shape, *, dtype="float32", requires_grad=False, source="") -> str:
+        """A graph input (input, param, buffer, tangent): a contiguous tensor."""
+        with self.mode:
+            t = torch.empty(list(shape), dtype=getattr(torch, dtype))
+        return self._declare(base, kind, t, source=source, requires_grad=requires_grad)
+
+    def node(self, op: str, args, out_bases, phase, *, name: str | None = None, random=False, mutates=(),
+             flops=0.0, module="") -> list[str]:
+        """Run `op` on `args` (Refs name values) and declare its outputs:
+        `out_bases[k]` names output k (None: not used, `_`).  The node is
+        named `name`, or after its first output.  Returns the output names
+        ("" for None)."""
+        def conv(a):
+            if isinstance(a, Ref):
+                return self.fake[a.name]
+            if isinstance(a, Seq):
+                return [conv(x) for x in a.items]
+            return a
+
+        with self.mode:
+            got = _resolve(op)(*[conv(a) for a in args])
+        got = list(got) if isinstance(got, (tuple, list)) else [got]
+        outs = [self._declare(b, VALUE, t) if b is not None else "" for b, t in zip(out_bases, got)]
+        while outs and not outs[-1]:
+            outs.pop()
+        name = self.unique(name if name is not None else outs[0], self.node_names)
+        self.nodes.append(Node(name=name, op=op, args=list(args), kwargs={}, outputs=outs, phase=phase,
+                               module=module, random=random, mutates=list(mutates), flops=float(flops)))
+        return outs
 
     def shape(self, name):
         return self.vmap[name].shape
@@ -139,6 +179,9 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
             return rng.choice(pool[-8:])
         return rng.choice(pool)
 
+    def last() -> str:
+        return b.nodes[-1].name
+
     def emit_mm(a: str, force_trainable=False):
         n, k = b.shape(a)
         w = None
@@ -151,28 +194,27 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
             trainable = force_trainable or rng.random() >= p_frozen
             if rng.random() < p_transposed_weight:
                 w = new_param([m, k], trainable)
-                wt = b.value(f"{w}.t", VALUE, [k, m], stride=list(reversed(b.vmap[w].stride)), view_of=w)
+                (wt,) = b.node("aten.t.default", [Ref(w)], [f"{w}.t"], FORWARD)
                 rg[wt] = trainable
-                tn = b.node(f"{w}.t", "aten.t.default", [Ref(w)], [wt], FORWARD)
-                recipes.append(("t", tn, [w], [wt], None))
+                recipes.append(("t", last(), [w], [wt], None))
                 w_operand = wt
             else:
                 w = new_param([k, m], trainable)
                 params_by_rows.setdefault(k, []).append(w)
                 w_operand = w
         m = b.shape(w_operand)[1]
-        out = b.value(f"mm{len(b.nodes)}", VALUE, [n, m])
+        (out,) = b.node("aten.mm.default", [Ref(a), Ref(w_operand)], [f"mm{len(b.nodes)}"], FORWARD,
+                        flops=2 * n * k * m)
         rg[out] = rg[a] or rg[w_operand]
-        nn = b.node(out, "aten.mm.default", [Ref(a), Ref(w_operand)], [out], FORWARD, flops=2 * n * k * m)
-        recipes.append(("mm", nn, [a, w_operand], [out], None))
+        recipes.append(("mm", last(), [a, w_operand], [out], None))
         return out
 
     def emit_unary(a: str):
         op = rng.choice(("relu", "gelu", "tanh"))
-        out = b.value(f"{op}{len(b.nodes)}", VALUE, b.shape(a))
+        (out,) = b.node(f"aten.{op}.default", [Ref(a)], [f"{op}{len(b.nodes)}"], FORWARD,
+                        flops=_numel(b.shape(a)))
         rg[out] = rg[a]
-        nn = b.node(out, f"aten.{op}.default", [Ref(a)], [out], FORWARD, flops=_numel(b.shape(a)))
-        recipes.append((op, nn, [a], [out], None))
+        recipes.append((op, last(), [a], [out], None))
         return out
 
     def emit_binary(a: str):
@@ -183,55 +225,47 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
         if not same:
             return emit_unary(a)
         c = rng.choice(same)
-        out = b.value(f"{op}{len(b.nodes)}", VALUE, b.shape(a))
+        (out,) = b.node(f"aten.{op}.Tensor", [Ref(a), Ref(c)], [f"{op}{len(b.nodes)}"], FORWARD,
+                        flops=_numel(b.shape(a)))
         rg[out] = rg[a] or rg[c]
-        nn = b.node(out, f"aten.{op}.Tensor", [Ref(a), Ref(c)], [out], FORWARD, flops=_numel(b.shape(a)))
-        recipes.append((op, nn, [a, c], [out], None))
+        recipes.append((op, last(), [a, c], [out], None))
         return out
 
     def emit_view(a: str):
         n, k = b.shape(a)
         if rng.random() < 0.5 or not b.contiguous(a) or k % 2:
-            out = b.value(f"t{len(b.nodes)}", VALUE, [k, n], stride=list(reversed(b.vmap[a].stride)),
-                          view_of=a)
+            (out,) = b.node("aten.t.default", [Ref(a)], [f"t{len(b.nodes)}"], FORWARD)
             rg[out] = rg[a]
-            nn = b.node(out, "aten.t.default", [Ref(a)], [out], FORWARD)
-            recipes.append(("t", nn, [a], [out], None))
+            recipes.append(("t", last(), [a], [out], None))
             return out
         shape = [n * 2, k // 2]
-        out = b.value(f"view{len(b.nodes)}", VALUE, shape, view_of=a)
+        (out,) = b.node("aten.view.default", [Ref(a), Seq(list(shape))], [f"view{len(b.nodes)}"], FORWARD)
         rg[out] = rg[a]
-        nn = b.node(out, "aten.view.default", [Ref(a), Seq(list(shape))], [out], FORWARD)
-        recipes.append(("view", nn, [a], [out], None))
+        recipes.append(("view", last(), [a], [out], None))
         return out
 
     def emit_dropout(a: str):
         base = f"drop{len(b.nodes)}"
-        out = b.value(f"{base}:0", VALUE, b.shape(a))
-        mask = b.value(f"{base}:1", VALUE, b.shape(a), dtype="bool")
+        out, mask = b.node("aten.native_dropout.default", [Ref(a), 0.1, True], [f"{base}:0", f"{base}:1"],
+                           FORWARD, name=base, random=True, flops=_numel(b.shape(a)))
         rg[out] = rg[a]
         rg[mask] = False
-        nn = b.node(base, "aten.native_dropout.default", [Ref(a), 0.1, True], [out, mask], FORWARD,
-                    random=True, flops=_numel(b.shape(a)))
-        recipes.append(("dropout", nn, [a], [out, mask], None))
+        recipes.append(("dropout", last(), [a], [out, mask], None))
         return out
 
     def emit_inplace_dropout(a: str):
         """Dropout as make_fx traces it: empty_like, bernoulli_ (random, in place), div_ (in place), mul."""
         base = f"idrop{len(b.nodes)}"
         shape = b.shape(a)
-        e = b.value(f"{base}.empty_like", VALUE, shape)
-        b.node(e, "aten.empty_like.default", [Ref(a)], [e], FORWARD)
-        bern = b.value(f"{base}.bernoulli_", VALUE, shape, view_of=e)
-        b.node(bern, "aten.bernoulli_.float", [Ref(e), 0.9], [bern], FORWARD, random=True, mutates=[e],
-               flops=_numel(shape))
-        d = b.value(f"{base}.div_", VALUE, shape, view_of=e)
-        b.node(d, "aten.div_.Scalar", [Ref(bern), 0.9], [d], FORWARD, mutates=[bern], flops=_numel(shape))
-        out = b.value(f"{base}.mul", VALUE, shape)
+        (e,) = b.node("aten.empty_like.default", [Ref(a)], [f"{base}.empty_like"], FORWARD)
+        (bern,) = b.node("aten.bernoulli_.float", [Ref(e), 0.9], [f"{base}.bernoulli_"], FORWARD, random=True,
+                         mutates=[e], flops=_numel(shape))
+        (d,) = b.node("aten.div_.Scalar", [Ref(bern), 0.9], [f"{base}.div_"], FORWARD, mutates=[bern],
+                      flops=_numel(shape))
+        (out,) = b.node("aten.mul.Tensor", [Ref(a), Ref(d)], [f"{base}.mul"], FORWARD, flops=_numel(shape))
         rg[e] = rg[bern] = rg[d] = False
         rg[out] = rg[a]
-        nn = b.node(out, "aten.mul.Tensor", [Ref(a), Ref(d)], [out], FORWARD, flops=_numel(shape))
-        recipes.append(("inplace_dropout", nn, [a], [out], d))
+        recipes.append(("inplace_dropout", last(), [a], [out], d))
         return out
 
     def emit_layernorm(a: str):
@@ -239,14 +273,12 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
         w = new_param([k], True, prefix="ln_w")
         bias = new_param([k], True, prefix="ln_b")
         base = f"ln{len(b.nodes)}"
-        out = b.value(f"{base}:0", VALUE, [n, k])
-        mean = b.value(f"{base}:1", VALUE, [n, 1])
-        rstd = b.value(f"{base}:2", VALUE, [n, 1])
+        out, mean, rstd = b.node("aten.native_layer_norm.default",
+                                 [Ref(a), Seq([k]), Ref(w), Ref(bias), 1e-5],
+                                 [f"{base}:0", f"{base}:1", f"{base}:2"], FORWARD, name=base, flops=5 * n * k)
         rg[out] = True
         rg[mean] = rg[rstd] = False
-        nn = b.node(base, "aten.native_layer_norm.default", [Ref(a), Seq([k]), Ref(w), Ref(bias), 1e-5],
-                    [out, mean, rstd], FORWARD, flops=5 * n * k)
-        recipes.append(("layernorm", nn, [a, w, bias], [out, mean, rstd], k))
+        recipes.append(("layernorm", last(), [a, w, bias], [out, mean, rstd], k))
         return out
 
     def emit_buffer_update(a: str):
@@ -254,16 +286,14 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
         n, k = b.shape(a)
         buf = b.value(f"running{len(b.nodes)}", BUFFER, [k], source=f"norm.running{len(b.nodes)}")
         rg[buf] = False
-        out = b.value(f"shift{len(b.nodes)}", VALUE, [n, k])
+        (out,) = b.node("aten.add.Tensor", [Ref(a), Ref(buf)], [f"shift{len(b.nodes)}"], FORWARD, flops=n * k)
         rg[out] = rg[a]
-        nn = b.node(out, "aten.add.Tensor", [Ref(a), Ref(buf)], [out], FORWARD, flops=n * k)
-        recipes.append(("add", nn, [a, buf], [out], None))
-        stat = b.value(f"stat{len(b.nodes)}", VALUE, [k])
+        recipes.append(("add", last(), [a, buf], [out], None))
+        (stat,) = b.node("aten.mean.dim", [Ref(a), Seq([0])], [f"stat{len(b.nodes)}"], FORWARD, flops=n * k)
         rg[stat] = False
-        b.node(stat, "aten.mean.dim", [Ref(a), Seq([0])], [stat], FORWARD, flops=n * k)
-        upd = b.value(f"{buf}.updated", VALUE, [k], view_of=buf)
+        (upd,) = b.node("aten.add_.Tensor", [Ref(buf), Ref(stat)], [f"{buf}.updated"], FORWARD, mutates=[buf],
+                        flops=k)
         rg[upd] = False
-        b.node(upd, "aten.add_.Tensor", [Ref(buf), Ref(stat)], [upd], FORWARD, mutates=[buf], flops=k)
         return out
 
     # ------------------------------------------------------------ forward
@@ -308,18 +338,16 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
     leaves = [v for v in pool if v not in consumed and b.vmap[v].kind == VALUE]
     sums = []
     for leaf in leaves:
-        s = b.value(f"sum.{leaf}", VALUE, [])
+        (s,) = b.node("aten.sum.default", [Ref(leaf)], [f"sum.{leaf}"], FORWARD, flops=_numel(b.shape(leaf)))
         rg[s] = rg[leaf]
-        nn = b.node(s, "aten.sum.default", [Ref(leaf)], [s], FORWARD, flops=_numel(b.shape(leaf)))
-        recipes.append(("sum", nn, [leaf], [s], None))
+        recipes.append(("sum", last(), [leaf], [s], None))
         sums.append(s)
     loss = sums[0]
     for i, s in enumerate(sums[1:]):
-        last = i == len(sums) - 2
-        out = b.value("loss" if last else f"loss.{i}", VALUE, [])
+        is_last = i == len(sums) - 2
+        (out,) = b.node("aten.add.Tensor", [Ref(loss), Ref(s)], ["loss" if is_last else f"loss.{i}"], FORWARD)
         rg[out] = rg[loss] or rg[s]
-        nn = b.node(out, "aten.add.Tensor", [Ref(loss), Ref(s)], [out], FORWARD)
-        recipes.append(("add", nn, [loss, s], [out], None))
+        recipes.append(("add", last(), [loss, s], [out], None))
         loss = out
     outputs = [Output(RESULT, "0", loss)]
     if extra_result:
@@ -337,9 +365,8 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
             return None
         g = gs[0]
         for other in gs[1:]:
-            acc = b.value(f"d.{v}.acc", VALUE, b.shape(v))
-            b.node(acc, "aten.add.Tensor", [Ref(g), Ref(other)], [acc], BACKWARD, flops=_numel(b.shape(v)))
-            g = acc
+            (g,) = b.node("aten.add.Tensor", [Ref(g), Ref(other)], [f"d.{v}.acc"], BACKWARD,
+                          flops=_numel(b.shape(v)))
         contrib[v] = [g]
         return g
 
@@ -356,85 +383,67 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
                 give(v, g)
         elif kind == "sum":
             leaf = ins[0]
-            shape = b.shape(leaf)
-            d = b.value(f"d.{leaf}", VALUE, shape, stride=[0] * len(shape), view_of=g)
-            b.node(d, "aten.expand.default", [Ref(g), Seq(list(shape))], [d], BACKWARD)
+            (d,) = b.node("aten.expand.default", [Ref(g), Seq(list(b.shape(leaf)))], [f"d.{leaf}"], BACKWARD)
             give(leaf, d)
         elif kind == "mm":
             a, w = ins
-            douts, reads = [], [Ref(g)]
-            if rg[w]:
-                reads.append(Ref(a))
-            if rg[a]:
-                reads.append(Ref(w))
-            da = b.value(f"d.{a}", VALUE, b.shape(a)) if rg[a] else ""
-            dw = b.value(f"d.{w}", VALUE, b.shape(w)) if rg[w] else ""
-            douts = [da, dw]
-            while douts and not douts[-1]:
-                douts.pop()
-            if douts:
-                n, k = b.shape(a)
-                b.node(f"d.{nname}", "aten.mm_backward", reads, douts, BACKWARD,
-                       flops=2 * n * k * b.shape(w)[1] * (2 if (da and dw) else 1))
-                if da:
-                    give(a, da)
-                if dw:
-                    give(w, dw)
+            n, k = b.shape(a)
+            m = b.shape(w)[1]
+            if rg[a]:  # da = g @ w.T
+                (wt,) = b.node("aten.t.default", [Ref(w)], [f"d.{nname}.{w}.t"], BACKWARD)
+                (da,) = b.node("aten.mm.default", [Ref(g), Ref(wt)], [f"d.{a}"], BACKWARD, name=f"d.{nname}",
+                               flops=2 * n * k * m)
+                give(a, da)
+            if rg[w]:  # dw = a.T @ g
+                (at,) = b.node("aten.t.default", [Ref(a)], [f"d.{nname}.{a}.t"], BACKWARD)
+                (dw,) = b.node("aten.mm.default", [Ref(at), Ref(g)], [f"d.{w}"], BACKWARD, name=f"d.{nname}",
+                               flops=2 * n * k * m)
+                give(w, dw)
         elif kind in ("relu", "gelu", "tanh"):
             a = ins[0]
             if rg[a]:
-                saved = ins[0] if kind == "gelu" else outs[0]
-                da = b.value(f"d.{a}", VALUE, b.shape(a))
-                b.node(f"d.{nname}", f"aten.{kind}_backward.default", [Ref(g), Ref(saved)], [da], BACKWARD,
-                       flops=_numel(b.shape(a)))
+                if kind == "relu":
+                    op, args = "aten.threshold_backward.default", [Ref(g), Ref(outs[0]), 0]
+                elif kind == "gelu":
+                    op, args = "aten.gelu_backward.default", [Ref(g), Ref(a)]
+                else:
+                    op, args = "aten.tanh_backward.default", [Ref(g), Ref(outs[0])]
+                (da,) = b.node(op, args, [f"d.{a}"], BACKWARD, name=f"d.{nname}", flops=_numel(b.shape(a)))
                 give(a, da)
         elif kind == "mul":
             a, c = ins
-            douts = [b.value(f"d.{v}", VALUE, b.shape(v)) if rg[v] else "" for v in (a, c)]
-            if douts[-1] == "":
-                douts.pop()
-            b.node(f"d.{nname}", "aten.mul_backward", [Ref(g), Ref(a), Ref(c)], douts, BACKWARD,
-                   flops=2 * _numel(b.shape(a)))
-            for v, d in zip((a, c), douts):
-                if d:
+            for v, other in ((a, c), (c, a)):
+                if rg[v]:
+                    (d,) = b.node("aten.mul.Tensor", [Ref(g), Ref(other)], [f"d.{v}"], BACKWARD,
+                                  name=f"d.{nname}", flops=_numel(b.shape(a)))
                     give(v, d)
         elif kind == "view":
             a = ins[0]
-            if b.contiguous(g):
-                d = b.value(f"d.{a}", VALUE, b.shape(a), view_of=g)
-                b.node(f"d.{nname}", "aten.view.default", [Ref(g), Seq(list(b.shape(a)))], [d], BACKWARD)
-            else:
-                d = b.value(f"d.{a}", VALUE, b.shape(a))
-                b.node(f"d.{nname}", "aten.reshape.default", [Ref(g), Seq(list(b.shape(a)))], [d], BACKWARD,
-                       flops=_numel(b.shape(a)))
+            op = "aten.view.default" if b.contiguous(g) else "aten.reshape.default"
+            (d,) = b.node(op, [Ref(g), Seq(list(b.shape(a)))], [f"d.{a}"], BACKWARD, name=f"d.{nname}",
+                          flops=0 if b.contiguous(g) else _numel(b.shape(a)))
             give(a, d)
         elif kind == "t":
             a = ins[0]
-            gv = b.vmap[g]
-            d = b.value(f"d.{a}", VALUE, b.shape(a), stride=list(reversed(gv.stride)), view_of=g)
-            b.node(f"d.{nname}", "aten.t.default", [Ref(g)], [d], BACKWARD)
+            (d,) = b.node("aten.t.default", [Ref(g)], [f"d.{a}"], BACKWARD, name=f"d.{nname}")
             give(a, d)
         elif kind == "dropout":
             a = ins[0]
-            da = b.value(f"d.{a}", VALUE, b.shape(a))
-            b.node(f"d.{nname}", "aten.native_dropout_backward.default", [Ref(g), Ref(outs[1]), 1.0 / 0.9],
-                   [da], BACKWARD, flops=_numel(b.shape(a)))
+            (da,) = b.node("aten.native_dropout_backward.default", [Ref(g), Ref(outs[1]), 1.0 / 0.9],
+                           [f"d.{a}"], BACKWARD, name=f"d.{nname}", flops=_numel(b.shape(a)))
             give(a, da)
         elif kind == "inplace_dropout":
             a = ins[0]
-            da = b.value(f"d.{a}", VALUE, b.shape(a))
-            b.node(f"d.{nname}", "aten.mul.Tensor", [Ref(g), Ref(extra)], [da], BACKWARD,
-                   flops=_numel(b.shape(a)))
+            (da,) = b.node("aten.mul.Tensor", [Ref(g), Ref(extra)], [f"d.{a}"], BACKWARD, name=f"d.{nname}",
+                           flops=_numel(b.shape(a)))
             give(a, da)
         elif kind == "layernorm":
             a, w, bias = ins
-            k = extra
-            da = b.value(f"d.{a}", VALUE, b.shape(a)) if rg[a] else ""
-            dw = b.value(f"d.{w}", VALUE, [k])
-            db = b.value(f"d.{bias}", VALUE, [k])
-            b.node(f"d.{nname}", "aten.native_layer_norm_backward.default",
-                   [Ref(g), Ref(a), Seq([k]), Ref(outs[1]), Ref(outs[2]), Ref(w), Ref(bias),
-                    Seq([bool(da), True, True])], [da, dw, db], BACKWARD, flops=8 * _numel(b.shape(a)))
+            da, dw, db = b.node("aten.native_layer_norm_backward.default",
+                                [Ref(g), Ref(a), Seq([extra]), Ref(outs[1]), Ref(outs[2]), Ref(w), Ref(bias),
+                                 Seq([bool(rg[a]), True, True])],
+                                [f"d.{a}" if rg[a] else None, f"d.{w}", f"d.{bias}"], BACKWARD,
+                                name=f"d.{nname}", flops=8 * _numel(b.shape(a)))
             if da:
                 give(a, da)
             give(w, dw)

@@ -108,3 +108,31 @@ def test_remat_run_refuses_a_changed_model_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "remat-run: error:" in err and "aten.tanh.default" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_remat_verify_with_the_model_names_the_line_that_differs(tmp_path, capsys):
+    from remat_ir.cli.commands import verify_main
+
+    old, new = tmp_path / "old.py", tmp_path / "new.py"
+    old.write_text(MODEL.format(act="ReLU"))
+    new.write_text(MODEL.format(act="Tanh"))
+    plan = tmp_path / "p.rir"
+    assert compile_main([str(old), "-o", str(plan), "--quiet"]) == 0
+    assert verify_main([str(plan), "--model", str(old)]) == 0
+    capsys.readouterr()
+    # An edit of the graph section: refused by the fingerprint alone ...
+    text = plan.read_text()
+    edited = tmp_path / "edited.rir"
+    edited.write_text(text.replace("aten.relu.default", "aten.sigmoid.default"))
+    assert verify_main([str(edited)]) == 1
+    out = capsys.readouterr().out
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.startswith("fingerprint "))
+    assert f"{edited}:line {line}:" in out and "recompile the plan, or edit only the schedule" in out
+    # ... and, with the model, at the node's own line.
+    assert verify_main([str(edited), "--model", str(old)]) == 1
+    out = capsys.readouterr().out
+    node = next(i for i, ln in enumerate(text.splitlines(), 1) if "aten.relu.default" in ln)
+    assert f"{edited}:line {node}:" in out and "aten.sigmoid.default" in out and "aten.relu.default" in out
+    # The plan unedited, the model changed.
+    assert verify_main([str(plan), "--model", str(new)]) == 1
+    assert f"{plan}:line {node}:" in capsys.readouterr().out

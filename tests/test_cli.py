@@ -220,19 +220,281 @@ def test_run_refuses_steps_below_one(tiny_plan, capsys, steps):
 
 
 def test_run_exits_1_when_memory_is_outside_the_prediction(tiny_plan, tmp_path, capsys):
-    # The same plan with every parameter's declared bytes doubled: sound, but
-    # it predicts a peak the run cannot meet.
+    # A plan whose parameters declare 64x their bytes: it predicts a peak the
+    # run cannot meet.  Only a plan with no fingerprint (hand-written: not
+    # checked against the graph) and no model check gets that far.
     text = tiny_plan.read_text()
     lines = []
     for ln in text.splitlines():
         words = ln.split()
         if len(words) > 4 and words[1] == "param" and words[3].isdigit() and words[4] == "bytes":
             ln = ln.replace(f" {words[3]} bytes", f" {int(words[3]) * 64} bytes", 1)
+        if ln.startswith("fingerprint "):
+            ln = 'fingerprint ""'
         lines.append(ln)
     bad = tmp_path / "big.rir"
     bad.write_text("\n".join(lines) + "\n")
     assert verify_main([str(bad)]) == 0
     capsys.readouterr()
-    assert run_main([str(bad), "gpt2-tiny", "--steps", "1"]) == 1
+    assert run_main([str(bad), "gpt2-tiny", "--steps", "1", "--no-model-check"]) == 1
     captured = capsys.readouterr()
     assert "OUTSIDE" in captured.out and "outside 1% + 1 MiB" in captured.err
+
+
+# ------------------------------------------- bad input: one line, exit 2
+
+
+def _model_file(tmp_path, name: str, body: str):
+    f = tmp_path / f"{name}.py"
+    f.write_text("import torch\n" + body)
+    return f
+
+
+def _one_line_error(capsys, prog: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{prog}: error:") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+_TUPLE_MODEL = (
+    "class M(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.lin = torch.nn.Linear(4, 4)\n"
+    "    def forward(self, x):\n"
+    "        y = self.lin(x)\n"
+    "        return y, y.relu()\n"
+    "def build():\n"
+    "    torch.manual_seed(0)\n"
+    "    return M(), (torch.randn(3, 4),)\n")
+
+
+def test_tuple_output_without_loss_says_to_define_one(tmp_path, capsys):
+    f = _model_file(tmp_path, "tup", _TUPLE_MODEL)
+    out = tmp_path / "tup.rir"
+    assert compile_main([str(f), "-o", str(out), "--quiet"]) == 2
+    err = _one_line_error(capsys, "remat-compile")
+    assert "returns a tuple of 2 tensors (f32[3,4], f32[3,4]) and defines no loss()" in err
+    assert "define loss(output, *inputs) in the model file" in err and "return a scalar loss" in err
+    assert not out.exists()
+
+
+def test_run_refuses_a_plan_whose_step_is_no_scalar(tmp_path, capsys):
+    # The API compiles such a model (a drop-in module whose loss is computed
+    # outside); remat-run, which calls .backward() on the step, refuses it.
+    import runpy
+
+    import remat_ir
+
+    f = _model_file(tmp_path, "tup", _TUPLE_MODEL)
+    module, args = runpy.run_path(str(f))["build"]()
+    plan = tmp_path / "tup.rir"
+    remat_ir.save_plan(remat_ir.compile(module, args), str(plan))
+    assert run_main([str(plan), str(f), "--steps", "1"]) == 2
+    err = _one_line_error(capsys, "remat-run")
+    assert "returns a tuple of 2 tensors" in err and "not a scalar loss" in err
+
+
+def test_non_scalar_loss_is_refused_naming_its_shape(tmp_path, capsys):
+    import torch
+
+    import remat_ir
+    from remat_ir.trace.tracer import TraceError
+
+    f = _model_file(tmp_path, "vec", "def build():\n"
+                                      "    return torch.nn.Linear(4, 4), (torch.randn(3, 4),)\n"
+                                      "def loss(out, x):\n"
+                                      "    return out.sum(0)\n")
+    assert compile_main([str(f), "-o", str(tmp_path / "vec.rir"), "--quiet"]) == 2
+    err = _one_line_error(capsys, "remat-compile")
+    assert "loss() returned a tensor of shape [4] (4 elements); a loss must be one scalar tensor" in err
+    with pytest.raises(TraceError, match=r"loss\(\) returned a tuple of 2 tensors"):
+        remat_ir.compile(torch.nn.Linear(4, 4), (torch.randn(3, 4),), loss=lambda out, x: (out.sum(), out.mean()))
+
+
+@pytest.mark.parametrize("budget, says", [
+    ("1e400", "budget '1e400' is not a finite number of bytes"),
+    ("99999999999999999999999999TiB", "is 1.1e+38 bytes, more than any memory (a budget is at most 2**63 - 1"),
+    ("inf", "cannot read budget 'inf'"),
+])
+def test_budget_beyond_any_integer(tmp_path, capsys, budget, says):
+    f = _model_file(tmp_path, "lin", "def build():\n"
+                                      "    return torch.nn.Linear(4, 4), (torch.randn(3, 4),)\n"
+                                      "def loss(out, x):\n"
+                                      "    return out.square().mean()\n")
+    assert compile_main([str(f), "-o", str(tmp_path / "p.rir"), "--budget", budget]) == 2
+    err = _one_line_error(capsys, "remat-compile")
+    assert err.startswith("remat-compile: error: --budget: ") and says in err
+
+
+def test_budget_api_refuses_what_is_no_amount_of_memory():
+    from remat_ir.pipeline import BudgetError, fit, trace
+
+    net, args, loss = _small_net()
+    program = trace(net, args, loss=loss)
+    for budget in (float("inf"), float("nan"), 1e300, 10 ** 30, "1e400", "nan", "1e400%",
+                   "99999999999999999999999999TiB", "9" * 30 + ".5"):
+        with pytest.raises(BudgetError, match="budget"):
+            fit(program, budget)
+
+
+def test_device_cuda_without_cuda_is_refused_first(tmp_path, capsys, monkeypatch):
+    import torch
+
+    import remat_ir.runtime.load as load
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(load, "load_model", no_load)
+    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--device", "cuda"]) == 2
+    err = _one_line_error(capsys, "remat-compile")
+    assert "--device cuda, but this machine has no CUDA device" in err and "use --device cpu" in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--batch", "-3"], "--batch -3: the batch size must be at least 1"),
+    (["--batch", "0"], "--batch 0: the batch size must be at least 1"),
+    (["--seq", "0"], "--seq 0: the sequence length must be at least 1"),
+    (["--seq", "65"], "--seq 65 is longer than gpt2-tiny's block size, 64 positions: give --seq 64 or less"),
+])
+def test_batch_and_seq_out_of_range(tiny_plan, tmp_path, capsys, flags, says):
+    assert compile_main(["gpt2-tiny", "-o", str(tmp_path / "p.rir"), "--quiet"] + flags) == 2
+    assert says in _one_line_error(capsys, "remat-compile")
+    assert run_main([str(tiny_plan), "gpt2-tiny", "--steps", "1"] + flags) == 2
+    assert says in _one_line_error(capsys, "remat-run")
+
+
+def test_flags_a_model_cannot_take(tmp_path, capsys):
+    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--seq", "8"]) == 2
+    assert "--seq 8: mlp takes no sequence length; drop --seq" in _one_line_error(capsys, "remat-compile")
+    f = _model_file(tmp_path, "tup", _TUPLE_MODEL)
+    assert compile_main([str(f), "-o", str(tmp_path / "p.rir"), "--batch", "8"]) == 2
+    assert "--batch 8, but build() takes no batch argument" in _one_line_error(capsys, "remat-compile")
+    # A model file whose config states its positions (as transformers' GPT-2 does): under
+    # fake tensors an embedding does not check its indices, so the trace alone would not fail.
+    f = _model_file(tmp_path, "pos", "import types\n"
+                                     "class M(torch.nn.Module):\n"
+                                     "    config = types.SimpleNamespace(n_positions=16)\n"
+                                     "    def __init__(self):\n"
+                                     "        super().__init__()\n"
+                                     "        self.wpe = torch.nn.Embedding(16, 4)\n"
+                                     "    def forward(self, x):\n"
+                                     "        return self.wpe(torch.arange(x.shape[1])).square().mean()\n"
+                                     "def build(seq=8):\n"
+                                     "    return M(), (torch.zeros(2, seq),)\n")
+    assert compile_main([str(f), "-o", str(tmp_path / "p.rir"), "--seq", "17"]) == 2
+    assert (f"{f}: --seq 17 is longer than the model's config.n_positions, 16 positions: give --seq 16 "
+            "or less") in _one_line_error(capsys, "remat-compile")
+    assert compile_main([str(f), "-o", str(tmp_path / "p.rir"), "--seq", "16", "--quiet"]) == 0
+
+
+def _renamed(text: str, name: str, new: str) -> str:
+    import re
+
+    return re.sub(r"(?<![\w.:])" + re.escape(name) + r"(?![\w.:])", new, text)
+
+
+def test_errors_echo_a_huge_token_cut_short(tiny_plan, tmp_path, capsys):
+    huge = "n" * 2_000_000
+    text = tiny_plan.read_text()
+    # A parse error naming the token: a free of a value never declared.
+    lines = text.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.strip().startswith("free "))
+    victim = lines[i].split()[1]
+    lines[i] = "  free " + huge
+    bad = tmp_path / "parse.rir"
+    bad.write_text("\n".join(lines) + "\n")
+    assert verify_main([str(bad)]) == 2
+    err = _one_line_error(capsys, "remat-verify")
+    assert len(err) < 400 and "free of unknown value `" + "n" * 60 + "...`" in err
+    # A verifier error naming it: a value renamed to the huge name, its free gone (a leak).
+    lines2 = _renamed(text, victim, huge).splitlines()
+    lines2.remove(next(ln for ln in lines2 if ln.split("#")[0].split() == ["free", huge]))
+    leak = tmp_path / "leak.rir"
+    leak.write_text("\n".join(lines2) + "\n")
+    assert verify_main([str(leak)]) == 1
+    out = capsys.readouterr().out
+    assert len(out) < 20_000 and "n" * 60 + "..." in out and huge not in out
+    assert verify_main([str(leak), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["errors"] and all(len(e["message"]) <= 2000 for e in data["errors"])
+
+
+# ------------------------------------------- remat-run --check compares honestly
+
+
+def test_check_gives_eager_and_the_plan_their_own_inputs(tmp_path, capsys):
+    # The model doubles its input in place: sharing one input tensor, the plan
+    # would see the input eager already doubled and "differ".
+    f = _model_file(tmp_path, "inplace", "class M(torch.nn.Module):\n"
+                                          "    def __init__(self):\n"
+                                          "        super().__init__()\n"
+                                          "        self.lin = torch.nn.Linear(4, 4)\n"
+                                          "    def forward(self, x):\n"
+                                          "        x.mul_(2)\n"
+                                          "        return self.lin(x).square().mean()\n"
+                                          "def build():\n"
+                                          "    torch.manual_seed(0)\n"
+                                          "    return M(), (torch.randn(3, 4),)\n")
+    plan = tmp_path / "inplace.rir"
+    assert compile_main([str(f), "-o", str(plan), "--quiet"]) == 0
+    assert run_main([str(plan), str(f), "--steps", "3", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("loss equal, gradients bitwise equal") == 3
+
+
+_NO_PARAMS = ("class M(torch.nn.Module):\n"
+              "    def forward(self, x, w):\n"
+              "        return (x @ w).tanh().square().mean()\n"
+              "def build():\n"
+              "    torch.manual_seed(0)\n"
+              "    return M(), (torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True))\n")
+
+
+def test_check_compares_input_gradients(tmp_path, capsys):
+    import runpy
+
+    from remat_ir.ir.parser import parse_program
+    from remat_ir.ir.printer import format_program
+    from remat_ir.runtime.load import LoadedModel
+    from remat_ir.runtime.run import check_gradients
+
+    f = _model_file(tmp_path, "noparams", _NO_PARAMS)
+    plan = tmp_path / "noparams.rir"
+    assert compile_main([str(f), "-o", str(plan), "--quiet"]) == 0
+    assert run_main([str(plan), str(f), "--steps", "3", "--check"]) == 0
+    assert capsys.readouterr().out.count("gradients bitwise equal") == 3
+    # A plan whose backward is off by a factor: only the inputs' gradients show it.
+    # (With the fingerprint blanked: a fingerprinted plan with an edited graph
+    # is refused before it runs, and the comparison itself is under test here.)
+    text = "\n".join('fingerprint ""' if ln.startswith("fingerprint ") else ln
+                     for ln in plan.read_text().split("\n"))
+    assert text.count("aten.mul.Scalar(d.pow, 2.0)") == 1
+    wrong = parse_program(text.replace("aten.mul.Scalar(d.pow, 2.0)",
+                                                          "aten.mul.Scalar(d.pow, 3.0)"), "wrong.rir")
+    module, args = runpy.run_path(str(f))["build"]()
+    checks = check_gradients(wrong, LoadedModel("noparams", module, args, None), steps=3, check_model=False)
+    assert not any(c.grads_equal for c in checks) and all(c.loss_equal for c in checks)
+    assert all(c.worst.startswith("input ") and c.max_abs_grad_diff > 0 for c in checks)
+    assert format_program(wrong)  # still a readable plan: only the numbers are off
+
+
+def test_compile_says_an_eval_model_is_traced_in_train_mode(tmp_path, capsys):
+    f = _model_file(tmp_path, "ev", "def build():\n"
+                                    "    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1))\n"
+                                    "    return m.eval(), (torch.randn(3, 4),)\n"
+                                    "def loss(out, x):\n"
+                                    "    return out.square().mean()\n")
+    assert compile_main([str(f), "-o", str(tmp_path / "ev.rir")]) == 0
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if "train mode" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note: traced in train mode (the model was in eval mode)")
+    f.write_text(f.read_text().replace("m.eval()", "m"))
+    assert compile_main([str(f), "-o", str(tmp_path / "ev.rir")]) == 0
+    assert "train mode" not in capsys.readouterr().out
+    f.write_text(f.read_text().replace("return m,", "m[1].eval()\n    return m,"))
+    assert compile_main([str(f), "-o", str(tmp_path / "ev.rir")]) == 0
+    assert "note: traced in train mode (submodule 1 was in eval mode)" in capsys.readouterr().out

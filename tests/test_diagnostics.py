@@ -193,7 +193,7 @@ def test_there_are_cases():
 PLAN = """\
 rir 1
 model "tiny"
-fingerprint "0"
+fingerprint ""
 device cpu
 optimizer none 0 bytes
 has_loss true

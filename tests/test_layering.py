@@ -64,9 +64,13 @@ RULES = (
          applies=("remat_ir.ir",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("b", "only remat_ir.optimize imports numpy, scipy or cvxpy",
          applies=("remat_ir",), exempt=("remat_ir.optimize",), forbid=NUMERIC),
-    Rule("c", "remat_ir.check.verify imports of remat_ir only remat_ir.ir and remat_ir.check.simulate",
+    Rule("c", "remat_ir.check.verify imports of remat_ir only remat_ir.ir, remat_ir.check.simulate and "
+              "remat_ir.check.typecheck",
          applies=("remat_ir.check.verify",), forbid=("remat_ir",),
-         allow=("remat_ir.ir", "remat_ir.check.simulate")),
+         allow=("remat_ir.ir", "remat_ir.check.simulate", "remat_ir.check.typecheck")),
+    Rule("c", "remat_ir.check.typecheck imports of remat_ir only remat_ir.ir (it re-derives the graph's "
+              "facts with torch, not with the tracer)",
+         applies=("remat_ir.check.typecheck",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("c", "remat_ir.check.simulate imports of remat_ir only remat_ir.ir",
          applies=("remat_ir.check.simulate",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("e", "remat_ir.cli.commands imports public names of remat_ir only, and not torch, numpy, "

@@ -18,7 +18,7 @@ from programs import programs, random_program  # noqa: E402
 from remat_ir.optimize.family import Analysis, apply_plan, model_peak, simulated_peak  # noqa: E402
 from remat_ir.ir import (  # noqa: E402
     BACKWARD, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output, Program,
-    Ref, Value, contiguous_stride,
+    Ref, Seq, Value, contiguous_stride,
 )
 from remat_ir.optimize.search import (  # noqa: E402
     Infeasible, floor, optimize, resolve_budget, unoptimized_peak,
@@ -49,9 +49,15 @@ def stacked_program(n_blocks: int = 4, batch: int = 8, d: int = 16, h: int = 32)
                             source=name if kind in (INPUT, PARAM) else "", requires_grad=rg))
         return name
 
-    def node(name, op, ins, outs, phase, module, flops):
-        nodes.append(Node(name=name, op=op, args=[Ref(i) for i in ins], kwargs={}, outputs=outs,
+    def node(name, op, ins, outs, phase, module, flops, extra=()):
+        nodes.append(Node(name=name, op=op, args=[Ref(i) for i in ins] + list(extra), kwargs={}, outputs=outs,
                           phase=phase, module=module, flops=float(flops)))
+
+    def transpose(name, of, module):  # a transpose, a view of the 2-D contiguous `of`
+        rows, cols = next(v.shape for v in values if v.name == of)
+        val(name, VALUE, [cols, rows], view_of=of, stride=[1, cols])
+        node(name, "aten.t.default", [of], [name], BACKWARD, module, 0)
+        return name
 
     x = val("x", INPUT, [batch, d])
     ws = []
@@ -76,22 +82,27 @@ def stacked_program(n_blocks: int = 4, batch: int = 8, d: int = 16, h: int = 32)
     node(loss, "aten.sum.default", [xs[-1]], [loss], FORWARD, "", batch * d)
     t = val("d.sum", TANGENT, [])
     g = val("d.expand", VALUE, [batch, d], view_of=t, stride=[0, 0])
-    node(g, "aten.expand.default", [t], [g], BACKWARD, "", 0)
+    node(g, "aten.expand.default", [t], [g], BACKWARD, "", 0, extra=[Seq([batch, d])])
     outputs = [Output(RESULT, "0", loss)]
     for i in reversed(range(n_blocks)):
         m = f"d.blocks.{i}"
         w1, w2 = ws[i]
         xin, r = saved[i]
+        rt = transpose(f"{m}.fc2.rt", r, f"blocks.{i}.fc2")
         dw2 = val(f"{m}.fc2.dw", VALUE, [h, d])
-        node(dw2, "aten.mm.default", [r, g], [dw2], BACKWARD, f"blocks.{i}.fc2", 2 * batch * h * d)
+        node(dw2, "aten.mm.default", [rt, g], [dw2], BACKWARD, f"blocks.{i}.fc2", 2 * batch * h * d)
+        w2t = transpose(f"{m}.fc2.wt", w2, f"blocks.{i}.fc2")
         dr = val(f"{m}.fc2.dx", VALUE, [batch, h])
-        node(dr, "aten.mm.default", [g, w2], [dr], BACKWARD, f"blocks.{i}.fc2", 2 * batch * h * d)
+        node(dr, "aten.mm.default", [g, w2t], [dr], BACKWARD, f"blocks.{i}.fc2", 2 * batch * h * d)
         da = val(f"{m}.act.relu_backward", VALUE, [batch, h])
-        node(da, "aten.threshold_backward.default", [dr, r], [da], BACKWARD, f"blocks.{i}.act", batch * h)
+        node(da, "aten.threshold_backward.default", [dr, r], [da], BACKWARD, f"blocks.{i}.act", batch * h,
+             extra=[0])
+        xt = transpose(f"{m}.fc1.xt", xin, f"blocks.{i}.fc1")
         dw1 = val(f"{m}.fc1.dw", VALUE, [d, h])
-        node(dw1, "aten.mm.default", [xin, da], [dw1], BACKWARD, f"blocks.{i}.fc1", 2 * batch * d * h)
+        node(dw1, "aten.mm.default", [xt, da], [dw1], BACKWARD, f"blocks.{i}.fc1", 2 * batch * d * h)
+        w1t = transpose(f"{m}.fc1.wt", w1, f"blocks.{i}.fc1")
         dx = val(f"{m}.fc1.dx", VALUE, [batch, d])
-        node(dx, "aten.mm.default", [da, w1], [dx], BACKWARD, f"blocks.{i}.fc1", 2 * batch * d * h)
+        node(dx, "aten.mm.default", [da, w1t], [dx], BACKWARD, f"blocks.{i}.fc1", 2 * batch * d * h)
         g2 = val(f"{m}.add", VALUE, [batch, d])
         node(g2, "aten.add.Tensor", [g, dx], [g2], BACKWARD, f"blocks.{i}", batch * d)
         outputs += [Output(GRAD, w1, dw1), Output(GRAD, w2, dw2)]

@@ -105,3 +105,41 @@ def test_binary_file(tmp_path, capsys):
     bad.write_bytes(b"\xff\xfe\x00garbage")
     assert main([str(bad), "--png", str(tmp_path / "x.png")]) == 2
     assert not (tmp_path / "x.png").exists()
+
+
+def test_png_into_a_missing_directory_is_refused_first(tmp_path, capsys, monkeypatch):
+    import remat_ir.ir.files as files
+
+    def no_load(*a, **k):  # refused before the plan is even read
+        raise AssertionError("the plan was loaded")
+
+    monkeypatch.setattr(files, "load_plan", no_load)
+    png = tmp_path / "nowhere" / "t.png"
+    assert main([str(tmp_path / "any.rir"), "--png", str(png)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"remat-show: error: cannot write {png}: no directory {png.parent}"
+
+
+def test_output_into_a_closed_pipe_exits_quietly(plan_file, tmp_path, capsys):
+    # `remat-show plan | head -1`: head exits after one line; the rest of the
+    # output meets a closed pipe.  No traceback, no "Exception ignored" at
+    # exit.  A value the summary names is renamed to a long name, so the
+    # output overflows the pipe whatever the timing.
+    import re
+    import subprocess
+    import sys
+
+    assert main([str(plan_file)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    k = out.index("largest step tensors live at the peak (parameters and other state excluded):")
+    name = out[k + 1].split()[2]
+    big = tmp_path / "big.rir"
+    big.write_text(re.sub(r"(?<![\w.:])" + re.escape(name) + r"(?![\w.:])", "v" * 300_000,
+                          plan_file.read_text()))
+    assert main([str(big)]) == 0
+    assert len(capsys.readouterr().out) > 300_000
+    cmd = f"{sys.executable} -m remat_ir.cli.show {big} | head -1"
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert r.stdout.startswith("plan: model gpt2-tiny") and r.stdout.count("\n") == 1
+    assert r.stderr == "", r.stderr
+    assert r.returncode == 141  # as a command killed by SIGPIPE

@@ -474,13 +474,22 @@ def read_as_lark_does(text: str) -> Program | None:
             assert not e.message.startswith(SYNTAX_ERRORS), f"lark reads it, but the reader says {e}"
         return None
     assert tree is not None, "the reader accepts a text lark refuses"
-    assert _ToProgram().transform(tree) == p
+    assert _ToProgram().transform(tree) == strip_graph_lines(p)
     return p
+
+
+def strip_graph_lines(p: Program) -> Program:
+    """`p` with Value.line, Node.line and Header.lines zeroed (the lark oracle
+    records only the schedule's and the outputs' lines)."""
+    replace = msgspec.structs.replace
+    return replace(p, header=replace(p.header, lines={}),
+                   values=[replace(v, line=0) for v in p.values],
+                   nodes=[replace(n, line=0) for n in p.nodes])
 
 
 def strip_lines(p: Program) -> Program:
     return msgspec.structs.replace(
-        p,
+        strip_graph_lines(p),
         forward=[Instr(i.kind, i.target) for i in p.forward],
         backward=[Instr(i.kind, i.target) for i in p.backward],
         outputs=[Output(o.kind, o.key, o.value) for o in p.outputs])

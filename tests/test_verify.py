@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from remat_ir.ir import (
-    BACKWARD, COMPUTE, FREE, GRAD, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE, Budget, Instr,
-    Ref, node_inputs,
+    BACKWARD, COMPUTE, FREE, GRAD, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE, Budget, DType, Instr,
+    Ref, contiguous_stride, node_inputs,
 )
-from remat_ir.check.simulate import simulate
+from remat_ir.ir.printer import with_lines
+from remat_ir.check.simulate import optimizer_state_bytes, simulate
 from remat_ir.check.verify import Diagnostic, needed_bytes, verify
 
 try:  # tests/ as a package, or as a plain directory on sys.path
@@ -111,7 +112,7 @@ def test_generator_covers_the_interesting_cases():
                 seen.add("grad-view")
             if o.kind == RESULT and o.key == "1":
                 seen.add("extra-result")
-        if len([o for o in p.outputs if o.kind == GRAD]) > len({n.name for n in p.nodes if n.op == "aten.mm_backward"}):
+        if any(v.name.endswith(".acc") for v in p.values):
             seen.add("accumulate")
         if any(v.kind == PARAM and not v.requires_grad for v in p.values):
             seen.add("frozen")
@@ -414,3 +415,210 @@ def test_verify_a_4000_node_program():
     v = verify(p)
     assert v.ok, v
     assert v.report.peak_bytes == simulate(p).peak_bytes
+
+
+# ------------------------------------------------- the graph's type check
+#
+# Fixed cases (one edit of a plan's graph section or header, and its message
+# at its line) are files under tests/diagnostics/verify/; here: properties over
+# random programs, whose graphs are real (tests/programs.py runs each op under
+# FakeTensorMode), and what a `.rir` text cannot express.
+
+
+def printed(p):
+    """`p` with every line as `format_program` prints it (values, nodes and
+    header included), as remat-verify sees a plan file."""
+    return with_lines(p)
+
+
+def type_errors(v):
+    return [e for e in v.errors if e.section in ("nodes", "values", "header")]
+
+
+@SETTINGS
+@given(programs(), st.data())
+def test_wrong_output_facts_are_reported_at_the_value(p, data):
+    """An output's dtype, shape, stride, byte count or storage owner edited:
+    the error names the value, at the line declaring it."""
+    p = printed(p)
+    prods = p.producer_map()
+    cands = [v for v in p.values if v.kind == VALUE and v.name in prods]
+    v = pick(data, cands, "value")
+    edit = data.draw(st.sampled_from(["dtype", "shape", "stride", "bytes", "view"]), label="edit")
+    if edit == "dtype":
+        assume(v.storage == v.name)  # (a view twice as wide would overrun its storage)
+        assume(v.dtype in ("float32", "float64"))  # (bool -> f64 is 8x the bytes, not 2x)
+        v.dtype = "float64" if v.dtype != "float64" else "float32"
+        v.nbytes = needed_bytes(v.shape, v.stride, v.dtype)
+        want = f"{v.name} is declared f64[" if v.dtype == "float64" else f"{v.name} is declared f32["
+    elif edit == "shape":
+        assume(v.shape and v.storage == v.name)
+        v.shape = [v.shape[0] + 1] + v.shape[1:]
+        v.stride = contiguous_stride(v.shape)
+        v.nbytes = needed_bytes(v.shape, v.stride, v.dtype)
+        want = f"{v.name} is declared"
+    elif edit == "stride":
+        sig = [i for i, d in enumerate(v.shape) if d > 1]
+        assume(sig)
+        i = data.draw(st.sampled_from(sig), label="dim")
+        assume(v.stride[i] > 0)
+        v.stride[i] -= 1  # smaller: still inside the storage
+        want = f"{v.name} is declared with stride {v.stride}"
+    elif edit == "bytes":
+        assume(v.storage == v.name and v.nbytes > 0)
+        v.nbytes *= 100
+        want = f"{v.name} is declared with {v.nbytes} bytes of storage"
+    else:
+        assume(v.storage != v.name)
+        v.storage, v.nbytes = v.name, needed_bytes(v.shape, v.stride, v.dtype)
+        want = f"{v.name} is declared with a storage of its own"
+    verdict = verify(p)
+    assert not verdict.ok
+    assert any(e.line == v.line and want in e.message for e in verdict.errors), (want, str(verdict))
+    # Each node is checked on its declared operands: errors stay at the edit or
+    # at the nodes reading the edited value (their lines, their outputs' lines).
+    vals = p.value_map()
+    readers = [n for n in p.nodes if v.name in node_inputs(n)]
+    near = {v.line} | {n.line for n in readers} | {vals[o].line for n in readers for o in n.outputs if o}
+    assert all(e.line in near for e in type_errors(verdict)), str(verdict)
+
+
+@SETTINGS
+@given(programs(), st.data())
+def test_wrong_node_facts_are_reported_at_the_node(p, data):
+    """An op misspelt or without its overload, `random` or `mutates(...)`
+    removed or added: the error is at the node's line."""
+    p = printed(p)
+    edit = data.draw(st.sampled_from(["misspelt", "overload", "random", "not-random", "mutates"]),
+                     label="edit")
+    if edit == "misspelt":
+        n = pick(data, [n for n in p.nodes if n.op == "aten.mm.default"], "node")
+        n.op, want = "aten.mmm.default", "did you mean `aten.mm.default`?"
+    elif edit == "overload":
+        n = pick(data, [n for n in p.nodes if n.op.endswith(".default")], "node")
+        short = n.op[:-len(".default")]
+        n.op, want = short, f"op {short} names no overload"
+    elif edit == "random":
+        n = pick(data, [n for n in p.nodes if n.random], "node")
+        n.random, want = False, "draws from the RNG, but the node is not marked `random`"
+    elif edit == "not-random":
+        n = pick(data, [n for n in p.nodes if not n.random], "node")
+        n.random, want = True, f"is marked `random`, but {n.op} does not draw from the RNG"
+    else:
+        n = pick(data, [n for n in p.nodes if n.mutates], "node")
+        n.mutates, want = [], "in place, but the node does not say so"
+    verdict = verify(p)
+    assert any(e.line == n.line and want in e.message for e in verdict.errors), str(verdict)
+    assert all(e.line == n.line for e in type_errors(verdict)), str(verdict)
+
+
+def test_graph_false_skips_the_type_check():
+    p = printed(random_program(6, n_forward=12))
+    n = next(n for n in p.nodes if n.op == "aten.mm.default")
+    n.op = "aten.mm"
+    assert not verify(p).ok
+    assert verify(p, graph=False).ok
+
+
+def test_graph_errors_carry_the_lines_of_a_printed_plan():
+    """Errors about values, nodes and the header name their lines, not
+    `values[i]` or `header`."""
+    p = printed(random_program(7, n_forward=10))
+    val = next(v for v in p.values if v.kind == VALUE and v.storage == v.name and v.nbytes)
+    val.nbytes -= 1
+    n = p.nodes[3]
+    p.forward = [ins for ins in p.forward if ins.target != n.name]
+    p.header.device = "tpu"
+    verdict = verify(p)
+    by_line = {e.line: e.message for e in verdict.errors}
+    assert "needs" in by_line[val.line] and f"nbytes is {val.nbytes}" in by_line[val.line]
+    assert f"node {n.name} is never computed" in by_line[n.line]
+    assert "device 'tpu' is not a torch device type" in by_line[p.header.lines["device"]]
+    assert all(e.line > 0 for e in verdict.errors), str(verdict)
+
+
+def test_gradient_binding_dtype():
+    p = random_program(8, n_forward=8)
+    o = next(o for o in p.outputs if o.kind == GRAD)
+    target = p.value_map()[o.key]
+    target.dtype, target.nbytes = "float64", target.nbytes * 2
+    v = verify(lined(p), graph=False)
+    assert [e.message for e in v.errors] == [
+        f"the gradient of {o.key} is {o.value} of dtype float32, but {o.key} is float64"]
+    assert v.errors[0].line == o.line
+
+
+def test_header_facts():
+    p = random_program(9, n_forward=6)
+    p.header.device, p.header.optim, p.header.output_spec = "tpu", "lion", "{not json"
+    tangent = next(v for v in p.values if v.kind == TANGENT)
+    tangent.source = "2"
+    msgs = [str(e) for e in verify(p).errors]
+    assert any(m.startswith("header: device 'tpu' is not a torch device type") for m in msgs), msgs
+    assert any("optimizer 'lion' is unknown" in m for m in msgs), msgs
+    assert any("output_spec is not a serialized pytree treespec" in m for m in msgs), msgs
+    assert any(f"tangent {tangent.name} has source '2'" in m for m in msgs), msgs
+    p.header.device, p.header.optim, p.header.output_spec, tangent.source = "cuda", "sgd", "", "0"
+    assert [str(e) for e in verify(p).errors] == [
+        f"header: optimizer sgd keeps 1 tensor per trainable parameter, "
+        f"{optimizer_state_bytes(p, 'sgd')} bytes for this plan's parameters, but the header says 0 bytes; "
+        f"write `optimizer sgd {optimizer_state_bytes(p, 'sgd')} bytes`"]
+    p.header.optim_state_bytes = optimizer_state_bytes(p, "sgd")
+    assert verify(p).ok  # fake CUDA tensors: no GPU needed to check a CUDA plan
+
+
+def _tiny(graph: str, schedule: str, outputs: str = "  result 0 = y\n") -> str:
+    return ("rir 1\nmodel \"t\"\nfingerprint \"\"\ndevice cpu\noptimizer none 0 bytes\nhas_loss false\n"
+            "output_spec \"\"\n\nvalues\n  x input f32[4] 16 bytes source x\n\ngraph forward\n" + graph +
+            "graph backward\n\nforward\n" + schedule + "backward\n\noutputs\n" + outputs)
+
+
+def test_ops_that_cannot_be_checked_are_reported_not_raised():
+    from remat_ir.ir.parser import parse_program
+    text = _tiny("  y i64[4,1] 32 bytes = aten.nonzero.default(x)\n", "  compute y\n")
+    v = verify(parse_program(text))
+    assert [(e.line, e.message) for e in v.errors] == [
+        (13, "node y: the output of aten.nonzero.default depends on the data, which a static plan cannot "
+             "hold (DynamicOutputShapeException); its outputs cannot be checked")]
+    for op, words in [("aten.mm.default", "cannot run on the declared operands (x f32[4])"),
+                      ("foo.bar.baz", "op foo.bar.baz does not exist in this PyTorch build"),
+                      ("aten.relu.nosuch", "aten.relu has no overload 'nosuch'; did you mean"),
+                      ("aten", "op aten does not exist"), ("", "op  does not exist")]:
+        p = parse_program(_tiny("  y f32[4] 16 bytes = aten.relu.default(x)\n", "  compute y\n"))
+        p.nodes[0].op = op
+        p.nodes[0].args = [Ref("x"), Ref("x")] if op == "aten.mm.default" else p.nodes[0].args
+        got = [e.message for e in verify(p).errors]
+        assert len(got) == 1 and words in got[0], (op, got)
+    # Arguments that are not what they say.
+    p = parse_program(_tiny("  y f64[4] 32 bytes = aten.to.dtype(x, torch.float64)\n", "  compute y\n"))
+    assert verify(p).ok
+    p.nodes[0].args[1] = DType("float33")
+    assert [e.message for e in verify(p).errors] == [
+        "node y: an argument of aten.to.dtype cannot be made: torch.float33 is not a dtype"]
+
+
+def test_an_op_that_changes_an_operand_in_place_does_not_mislead_later_nodes():
+    """`t_` transposes its operand in place: the next node that reads the
+    operand is checked on the operand as declared, not as `t_` left it."""
+    from remat_ir.ir.parser import parse_program
+    text = _tiny("  a f32[2,2] view of x = aten.view.default(x, [2, 2])\n"
+                 "  b f32[2,2] 16 bytes = aten.clone.default(a)\n"
+                 "  c f32[2,2] stride [1,2] view of b = aten.t_.default(b) mutates(b)\n"
+                 "  y f32[2,2] 16 bytes = aten.mul.Tensor(b, c)\n",
+                 "  compute a\n  compute b\n  compute c\n  compute y\n  free a\n  free b\n  free c\n")
+    p = parse_program(text)
+    from remat_ir.check.typecheck import typecheck
+    assert typecheck(p) == []
+
+
+def test_typecheck_of_a_traced_plan_matches_the_tracer():
+    """The golden plans were traced by the tracer; the type check re-derives
+    every fact of their graphs and finds them all."""
+    import glob
+    from remat_ir.ir.files import load_plan
+    from remat_ir.check.typecheck import typecheck
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plans = sorted(glob.glob(os.path.join(root, "schedules", "*.rir")))
+    assert plans
+    for path in plans:
+        assert typecheck(load_plan(path)) == [], path

@@ -1,6 +1,7 @@
 """Verifier: an independent proof that a program's schedule is sound.
 
-`verify(program)` checks the schedule against the graph and returns a
+`verify(program)` checks the schedule against the graph, and the graph
+against what PyTorch computes (`remat_ir.check.typecheck`), and returns a
 `Verdict` listing every error it finds, each naming the `.rir` line (or the
 section and index when the program was built in memory) and saying what to
 change.  It shares no code with the optimizer and does not trust the memory
@@ -36,8 +37,19 @@ The rules (the runtime semantics the interpreter and autograd implement):
   operand itself: `native_batch_norm_backward` reads the running stats
   `native_batch_norm` updated, as eager autograd does);
 * the graph is consistent: names are declared and unique, shapes, strides and
-  byte counts agree, views name their storage owner, outputs are well formed,
-  every trainable parameter that some node reads gets a gradient;
+  byte counts agree, views name their storage owner, outputs are well formed
+  (a gradient has its parameter's shape and dtype), every trainable parameter
+  that some node reads gets a gradient;
+* the graph is what PyTorch computes (`remat_ir.check.typecheck`, skipped with
+  `graph=False`): every op exists, and run under FakeTensorMode on the declared
+  operands it produces each output's declared dtype, shape, strides, bytes and
+  storage owner; `random` and `mutates(...)` say what the op does; the header's
+  device, optimizer, output_spec and the tangents' sources are ones the
+  runtime accepts;
+* the graph section and the header facts derived from the model still hash
+  to the header's fingerprint (they were not edited after compiling), and
+  every node, run on fake tensors of its declared operands, produces what
+  its outputs declare (`remat_ir.check.typecheck`);
 * with a budget in the header, the simulated peak (steady state and first
   step, whichever is larger) in the budget's scope fits it.
 """
@@ -51,7 +63,10 @@ from remat_ir.ir import (
     TANGENT, VALUE, VALUE_KINDS, Node, Program, node_inputs,
 )
 from remat_ir.ir.printer import human_bytes
+from remat_ir.ir.syntax import clip
+from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.check.simulate import MemoryReport, SimulationError, simulate
+from remat_ir.check.typecheck import typecheck
 
 MAX_ERRORS = 50
 
@@ -73,6 +88,10 @@ class Diagnostic:
     message: str
     section: str = ""
     index: int = -1
+
+    def __post_init__(self):
+        # Messages echo names; a 2 MB name in a generated plan must not make a 2 MB line.
+        object.__setattr__(self, "message", clip(self.message))
 
     @property
     def where(self) -> str:
@@ -137,10 +156,21 @@ def _is_int(x) -> bool:
 # ----------------------------------------------------------------- verifier
 
 
-def verify(program: Program, *, max_errors: int = MAX_ERRORS) -> Verdict:
-    """Check `program`; return every error found (sorted, at most `max_errors`)."""
+def verify(program: Program, *, max_errors: int = MAX_ERRORS, graph: bool = True) -> Verdict:
+    """Check `program`; return every error found (sorted, at most `max_errors`).
+
+    `graph=False` skips the type check of the graph section against PyTorch
+    (`remat_ir.check.typecheck`, the costly part: about 1.5 s for GPT-2
+    medium's 3400 ops, and about 1 s more the first time in a process, for
+    FakeTensorMode's imports): for callers that changed only the schedule of a
+    plan whose graph was checked already.  The graph's consistency (names, shapes
+    against byte counts, views, outputs) is always checked."""
     v = _Verifier(program)
     v.check_graph()
+    if graph:
+        v.check_fingerprint()
+        for loc, message in typecheck(program):
+            v.err(loc, message)
     v.check_schedule()
     errors = v.errors
     report = first = None
@@ -205,21 +235,37 @@ class _Verifier:
 
     # ---------------------------------------------------------------- graph
 
+    def check_fingerprint(self) -> None:
+        """The graph section and the header facts derived from the model are
+        what the tracer wrote (see remat_ir.ir.fingerprint); an empty
+        fingerprint (a hand-written plan) is not checked."""
+        h = self.p.header
+        if not h.fingerprint:
+            return
+        now = fingerprint(self.p)
+        if now != h.fingerprint:
+            self.err(("header", -1, h.lines.get("fingerprint", 0)),
+                     f"the plan's graph section or header no longer matches its fingerprint "
+                     f"{h.fingerprint} (it now hashes to {now}): they are derived from the model, and "
+                     f"were edited after compiling; recompile the plan, or edit only the schedule "
+                     f"(the forward and backward sections); remat-verify PLAN --model MODEL names the "
+                     f"first op that differs")
+
     def check_graph(self) -> None:
         p = self.p
         values = self.values
         h = p.header
         if h.budget is not None:
+            budget_loc = ("header", -1, h.lines.get("budget", 0))
             if h.budget.scope not in ("total", "activations"):
-                self.err(("header", -1, 0), f"budget scope {h.budget.scope!r} is unknown; "
-                                            "use 'total' or 'activations'")
+                self.err(budget_loc, f"budget scope {h.budget.scope!r} is unknown; use 'total' or "
+                                     "'activations'")
             if not _is_int(h.budget.bytes) or h.budget.bytes < 0:
-                self.err(("header", -1, 0), f"budget of {h.budget.bytes!r} bytes is not a "
-                                            "non-negative integer")
+                self.err(budget_loc, f"budget of {h.budget.bytes!r} bytes is not a non-negative integer")
 
         seen: set[str] = set()
         for i, val in enumerate(p.values):
-            loc = ("values", i, 0)
+            loc = ("values", i, val.line)
             name = val.name
             if not name:
                 self.err(loc, "a value has an empty name")
@@ -280,7 +326,7 @@ class _Verifier:
         node_seen: set[str] = set()
         out_seen: dict[str, str] = {}
         for i, n in enumerate(p.nodes):
-            loc = ("nodes", i, 0)
+            loc = ("nodes", i, n.line)
             if n.name in node_seen:
                 self.err(loc, f"node {n.name} is declared twice; rename one of them")
             node_seen.add(n.name)
@@ -338,6 +384,9 @@ class _Verifier:
                 elif list(target.shape) != list(val.shape):
                     self.err(loc, f"the gradient of {o.key} is {o.value} with shape {val.shape}, but "
                                   f"{o.key} has shape {target.shape}")
+                elif target.dtype != val.dtype:
+                    self.err(loc, f"the gradient of {o.key} is {o.value} of dtype {val.dtype}, but "
+                                  f"{o.key} is {target.dtype}")
                 if prod is None:
                     self.err(loc, f"the gradient of {o.key} is {o.value}, a {val.kind}; a gradient "
                                   f"must be computed by a backward node")
@@ -352,7 +401,7 @@ class _Verifier:
             read.update(self.inputs[id(n)])
         for i, val in enumerate(p.values):
             if val.kind == PARAM and val.requires_grad and val.name not in gkeys and val.name in read:
-                self.err(("values", i, 0), f"gradient of {val.name} is never produced: the parameter "
+                self.err(("values", i, val.line), f"gradient of {val.name} is never produced: the parameter "
                                            f"requires grad but no `grad {val.name}` output exists")
 
     # ------------------------------------------------------------- schedule
@@ -711,7 +760,7 @@ class _Verifier:
         for i, n in enumerate(p.nodes):
             if n.name not in self.computed_at and n.name in self.nodes and self.nodes[n.name] is n:
                 sec = f"the {n.phase} section" if n.phase in (FORWARD, BACKWARD) else "the schedule"
-                self.err(("nodes", i, 0), f"node {n.name} is never computed; add `compute {n.name}` "
+                self.err(("nodes", i, n.line), f"node {n.name} is never computed; add `compute {n.name}` "
                                           f"to {sec}")
         for name in sorted(self.live):
             val = self.values[name]

@@ -112,6 +112,7 @@ def retarget_device(program, device: str):
     """Point the `device=` arguments of a program traced on one device type at
     another (plans are traced on CPU under FakeTensorMode, then run on CUDA)."""
     from remat_ir import ir
+    from remat_ir.ir.fingerprint import fingerprint
 
     def fix(a):
         if isinstance(a, ir.Device):
@@ -124,6 +125,7 @@ def retarget_device(program, device: str):
         n.args = [fix(a) for a in n.args]
         n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
     program.header.device = torch.device(device).type
+    program.header.fingerprint = fingerprint(program)
     return program
 
 

@@ -100,10 +100,11 @@ def _compile(argv) -> int:
     from remat_ir.ir.costs import overhead_text
     from remat_ir.ir.printer import with_lines
     from remat_ir.pipeline import BudgetError, CompileStats, UnsoundPlan, budget_bytes, fit, trace
-    from remat_ir.runtime.load import load_model
+    from remat_ir.runtime.load import check_device, load_model
 
     # Flags are checked before any work, so a typo fails in a second.
     _check_output(args.output, args.model)
+    check_device(args.device)
     if args.scope != "total" and args.budget is None and not (
             args.pareto or args.pareto_points is not None or args.pareto_png is not None):
         raise CliError(f"--scope {args.scope} says what --budget (or --pareto) measures; give --budget, "
@@ -134,12 +135,14 @@ def _compile(argv) -> int:
                 profile_repeats=args.profile_repeats)
     solve = dict(scope=args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
     rows = None
+    # The step is traced in train mode whatever mode the model is in: say so.
+    in_eval = [name for name, m in model.module.named_modules() if not m.training]
     try:
+        program = trace(model.module, model.inputs, **step, stats=stats)
+        _check_scalar_loss(program, args.model, model.loss)
         if not pareto:
-            program = remat_ir.compile(model.module, model.inputs, budget=args.budget, **step, **solve,
-                                       stats=stats)
+            program = fit(program, args.budget, **solve, stats=stats)
         else:
-            program = trace(model.module, model.inputs, **step, stats=stats)
             # Resolved before the sweep so a mistyped budget fails in a second, not after it.
             budget = None if args.budget is None else budget_bytes(program, args.budget, **solve)
             rows, t_sweep = _sweep(program, args, points, say)
@@ -175,7 +178,34 @@ def _compile(argv) -> int:
         print(breakdown(program, verdict.report, verdict.report_first_step))
         t_trace = t_load + stats.seconds["trace"]
         print("; ".join([f"traced in {t_trace:.1f} s", f"wrote {args.output}"] + notes))
+        if in_eval:
+            print(f"note: traced in train mode ({_eval_text(in_eval)}): the plan is a training step, with "
+                  f"dropout and batch-norm updates on, and remat-run runs it so")
     return EXIT_OK
+
+
+def _eval_text(in_eval: list[str]) -> str:
+    """Which part of the model was in eval mode, for the train-mode note."""
+    if "" in in_eval:  # the root module
+        return "the model was in eval mode"
+    more = f" and {len(in_eval) - 1} more" if len(in_eval) > 1 else ""
+    return f"submodule {in_eval[0]}{more} {'were' if more else 'was'} in eval mode"
+
+
+def _check_scalar_loss(program, model: str, loss) -> None:
+    """Refuse a step that does not end in one scalar loss: remat-run (and a
+    training loop) calls .backward() on it.  (A `loss()` that returns no
+    scalar is refused by the tracer.)"""
+    from remat_ir.runtime.run import step_result_problem
+
+    problem = step_result_problem(program)
+    if problem is None:
+        return
+    if loss is None:
+        raise CliError(f"{model}: the model returns {problem} and defines no loss(); a training step needs "
+                       f"a scalar loss: define loss(output, *inputs) in the model file, returning one, or "
+                       f"return a scalar loss from forward")
+    raise CliError(f"{model}: the step returns {problem}, not a scalar loss")
 
 
 def _check_output(output: str, model: str) -> None:
@@ -216,12 +246,26 @@ def _verify(argv) -> int:
     p = argparse.ArgumentParser(prog="remat-verify", description="Prove a .rir plan sound and within budget.")
     p.add_argument("plan")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--model", help="also check that MODEL (a built-in name or a .py file) still produces "
+                                   "the plan's graph, naming the first op that differs")
     args = p.parse_args(argv)
     import remat_ir
     from remat_ir.cli.report import breakdown
 
     program = remat_ir.load_plan(args.plan)
     verdict = remat_ir.verify(program)
+    if args.model is not None:
+        from remat_ir.runtime.bind import PlanMismatch, check_graph
+        from remat_ir.runtime.load import load_model
+
+        model = load_model(args.model)
+        try:
+            check_graph(model.module, program, model.loss)
+        except PlanMismatch as e:
+            from remat_ir.check.verify import Diagnostic
+
+            verdict.ok = False
+            verdict.errors.insert(0, Diagnostic(e.line, str(e), "nodes"))
     if args.json:
         out = {"ok": verdict.ok, "errors": [{"line": d.line, "message": d.message} for d in verdict.errors]}
         if verdict.report is not None:
@@ -280,6 +324,13 @@ def _run(argv) -> int:
         device = plan_device(program, args.device)
     except ValueError as e:
         raise CliError(str(e)) from e
+    from remat_ir.runtime.run import step_result_problem
+
+    problem = step_result_problem(program)
+    if problem is not None:
+        raise CliError(f"{args.plan}: the plan's step returns {problem}, not a scalar loss, so remat-run "
+                       f"cannot call .backward() on it; recompile it from a model whose forward, or "
+                       f"loss(output, *inputs), returns a scalar loss")
     shapes = {v.name: v.shape for v in program.values if v.kind == "input"}
     model = load_model(args.model, batch=args.batch, seq=args.seq, device=device, seed=args.seed)
     r = run_plan(program, model, steps=args.steps, device=device, check=args.check, seed=args.seed,

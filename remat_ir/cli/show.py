@@ -14,6 +14,7 @@ Exit codes: 0 shown; 1 the plan cannot be simulated (run remat-verify);
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
@@ -254,6 +255,12 @@ def _run(argv) -> int:
     from remat_ir.check.simulate import SimulationError, simulate
     from remat_ir.ir.files import load_plan
 
+    if args.png:  # refused before any work: the plan may take a while to read and simulate
+        d = os.path.dirname(os.path.abspath(args.png))
+        if not os.path.isdir(d):
+            raise CliError(f"cannot write {args.png}: no directory {d}")
+        if os.path.isdir(args.png):
+            raise CliError(f"cannot write {args.png}: it is a directory")
     try:
         program = load_plan(args.plan)
     except (OSError, ValueError) as e:  # RirSyntaxError is a ValueError

@@ -54,7 +54,8 @@ def grammar_text() -> str:
 
 
 def parse_program(text: str, filename: str = "<string>") -> Program:
-    """Parse `.rir` text.  Instr.line / Output.line are 1-based line numbers."""
+    """Parse `.rir` text.  Instr.line, Output.line, Value.line, Node.line and
+    Header.lines are 1-based line numbers."""
     if not isinstance(text, str):
         raise TypeError(f"parse_program expects str, got {type(text).__name__}")
     if text.startswith("\ufeff"):
@@ -366,7 +367,7 @@ class _Reader:
             raise self.error_at(self.n, col, f"unsupported format version {version}: this remat-ir "
                                              f"reads `rir {ir.FORMAT_VERSION}`")
         self.expect_end()
-        h = Header(version=version, comment=comments)
+        h = Header(version=version, comment=comments, lines={"rir": self.n})
         fields = list(HEADER_FIELDS)
         while True:
             if not self.next_line():
@@ -379,6 +380,7 @@ class _Reader:
                         if w in HEADER_FIELDS else "")
                 self.fail(_quoted(fields + ["values"]), fields + ["values"], note)
             del fields[:fields.index(w) + 1]
+            h.lines[w] = self.n
             self.i += len(w)
             self.header_field(h, w)
             self.expect_end()
@@ -865,7 +867,8 @@ def _assemble(parts: tuple, error) -> Program:
                 raise error(line, d.col, f"`{name}` has {len(d.shape)} dimensions but a stride of {len(stride)}")
         values.append(Value(name=name, kind=kind, dtype=d.dtype, shape=d.shape, stride=stride,
                             storage=name if d.owner is None else d.owner, nbytes=d.nbytes,
-                            source=d.source, requires_grad=d.requires_grad, aliases=d.aliases))
+                            source=d.source, requires_grad=d.requires_grad, aliases=d.aliases,
+                            line=line))
         if d.owner is not None:
             views.append((d.owner, line, d.owner_col))
 
@@ -886,6 +889,7 @@ def _assemble(parts: tuple, error) -> Program:
             raise error(rec.line, rec.col, f"duplicate node `{node.name}`: a node of that name is on "
                                            f"line {node_where[node.name]}")
         node_where[node.name] = rec.line
+        node.line = rec.line
         for name, col, d in rec.outs:
             if name is None:
                 continue

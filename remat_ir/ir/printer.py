@@ -1,7 +1,7 @@
 """Print a `Program` as canonical `.rir` text (the format: `remat_ir.ir.syntax`).
 
     format_program(program) -> str          canonical text
-    with_lines(program) -> Program          Instr.line / Output.line as printed
+    with_lines(program) -> Program          every `line` (and Header.lines) as printed
     human_bytes(n) -> str                   "512 B", "64.0 KiB", "1.32 GiB"
 """
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+
+import msgspec
 
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
@@ -176,6 +178,9 @@ class _Printer:
         self.fwd_lines: list[int] = []
         self.bwd_lines: list[int] = []
         self.out_lines: list[int] = []
+        self.header_lines: dict[str, int] = {}  # header line name -> line
+        self.value_lines: dict[int, int] = {}  # id(Value) -> the line declaring it
+        self.node_lines: dict[int, int] = {}  # id(Node) -> its line
 
     def emit(self, s: str) -> int:
         self.lines.append(s)
@@ -186,20 +191,23 @@ class _Printer:
         h = p.header
         emit = self.emit
         values = p.value_map()
+        hl = self.header_lines
         for c in h.comment:
             emit(_hcomment(c))
-        emit(f"rir {int(h.version)}")
-        emit(f"model {_quote(h.model)}")
-        emit(f"fingerprint {_quote(h.fingerprint)}")
-        emit(f"device {_word(h.device)}")
+        hl["rir"] = emit(f"rir {int(h.version)}")
+        hl["model"] = emit(f"model {_quote(h.model)}")
+        hl["fingerprint"] = emit(f"fingerprint {_quote(h.fingerprint)}")
+        hl["device"] = emit(f"device {_word(h.device)}")
         if h.cost != ir.COST_FLOPS:
-            emit(f"cost {h.cost}")
-        emit(_comment(f"optimizer {_word(h.optim)} {int(h.optim_state_bytes)} bytes",
-                      f"{human_bytes(h.optim_state_bytes)} of optimizer state" if h.optim_state_bytes else ""))
+            hl["cost"] = emit(f"cost {h.cost}")
+        hl["optimizer"] = emit(_comment(
+            f"optimizer {_word(h.optim)} {int(h.optim_state_bytes)} bytes",
+            f"{human_bytes(h.optim_state_bytes)} of optimizer state" if h.optim_state_bytes else ""))
         if h.budget is not None:
-            emit(_comment(f"budget {int(h.budget.bytes)} bytes {h.budget.scope}", human_bytes(h.budget.bytes)))
-        emit(f"has_loss {'true' if h.has_loss else 'false'}")
-        emit(f"output_spec {_quote(h.output_spec)}")
+            hl["budget"] = emit(_comment(f"budget {int(h.budget.bytes)} bytes {h.budget.scope}",
+                                         human_bytes(h.budget.bytes)))
+        hl["has_loss"] = emit(f"has_loss {'true' if h.has_loss else 'false'}")
+        hl["output_spec"] = emit(f"output_spec {_quote(h.output_spec)}")
 
         inline = _inline_values(p)
         listed = [v for v in p.values if v.name not in inline]
@@ -212,7 +220,8 @@ class _Printer:
             w = min(max(len(r) for r in refs), 48)
             for v, r in zip(listed, refs):
                 body = f"  {r:<{w}}  {v.kind:<7}  {_decl(v)}"
-                emit(_comment(body, human_bytes(v.nbytes) if v.storage == v.name else ""))
+                note = human_bytes(v.nbytes) if v.storage == v.name else ""
+                self.value_lines[id(v)] = emit(_comment(body, note))
 
         # graph
         emit("")
@@ -233,7 +242,7 @@ class _Printer:
             for n in nodes:
                 line, size = self.node_line(n, values, inline, declared)
                 alloc[n.name] = size
-                emit(_comment(line, human_bytes(size)))
+                self.node_lines[id(n)] = emit(_comment(line, human_bytes(size)))
 
         # schedule
         names = [i.target for i in p.forward] + [i.target for i in p.backward]
@@ -277,6 +286,7 @@ class _Printer:
                 size += v.nbytes
             if o in inline and o not in declared:
                 declared.add(o)
+                self.value_lines[id(v)] = len(self.lines) + 1  # the line this node is printed on
                 outs.append(f"{_ref(o)} {_decl(v)}")
             else:
                 outs.append(_ref(o))
@@ -308,20 +318,24 @@ def _comment(body: str, note: str) -> str:
 
 
 def format_program(program: Program) -> str:
-    """The canonical `.rir` text of `program` (Instr.line/Output.line ignored)."""
+    """The canonical `.rir` text of `program` (every `line` and Header.lines ignored)."""
     return "\n".join(_Printer(program).run()) + "\n"
 
 
 def with_lines(program: Program) -> Program:
-    """`program` with Instr.line / Output.line set to where `format_program`
-    prints them.  The result shares header, values and nodes with `program`;
-    the instruction and output lists are new."""
+    """`program` with Instr.line, Output.line, Value.line, Node.line and
+    Header.lines set to where `format_program` prints them.  `program` is left
+    as it is: the header, values, nodes, instructions and outputs are new
+    (shallow copies)."""
     pr = _Printer(program)
     pr.run()
+    replace = msgspec.structs.replace
+    header = replace(program.header, lines=dict(pr.header_lines))
+    values = [replace(v, line=pr.value_lines.get(id(v), 0)) for v in program.values]
+    nodes = [replace(n, line=pr.node_lines.get(id(n), 0)) for n in program.nodes]
     fwd = [Instr(i.kind, i.target, ln) for i, ln in zip(program.forward, pr.fwd_lines)]
     bwd = [Instr(i.kind, i.target, ln) for i, ln in zip(program.backward, pr.bwd_lines)]
     outs = [Output(o.kind, o.key, o.value, ln) for o, ln in zip(program.outputs, pr.out_lines)]
-    return Program(header=program.header, values=list(program.values), nodes=list(program.nodes),
-                   forward=fwd, backward=bwd, outputs=outs)
+    return Program(header=header, values=values, nodes=nodes, forward=fwd, backward=bwd, outputs=outs)
 
 

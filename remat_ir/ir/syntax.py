@@ -98,10 +98,32 @@ import re
 from remat_ir.ir.types import BUFFER, DTYPE_SHORT, INPUT, PARAM, TANGENT, VALUE
 
 
+# Error messages echo what they complain about; a token longer than
+# LONG_TOKEN characters (a 2 MB name in a generated file) is cut to its first
+# CUT_TOKEN and "...", and a whole message to MAX_MESSAGE characters.
+LONG_TOKEN, CUT_TOKEN, MAX_MESSAGE = 200, 60, 2000
+_LONG_TOKEN_RE = re.compile(r"[^\s`'\"]{%d,}" % (LONG_TOKEN + 1))
+
+
+def clip(message: str) -> str:
+    """`message` of bounded length: each run of more than LONG_TOKEN
+    characters without blanks or quotes cut to its first CUT_TOKEN and "...",
+    then the whole to MAX_MESSAGE characters.  Idempotent; short messages
+    come back unchanged."""
+    if len(message) <= LONG_TOKEN:
+        return message
+    message = _LONG_TOKEN_RE.sub(lambda m: m.group()[:CUT_TOKEN] + "...", message)
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE - 3] + "..."
+    return message
+
+
 class RirSyntaxError(ValueError):
-    """A `.rir` text that cannot be read: `str(e) == "file:line:col: message"`."""
+    """A `.rir` text that cannot be read: `str(e) == "file:line:col: message"`
+    (the message `clip`ped: whatever it echoes, it stays short)."""
 
     def __init__(self, filename: str, line: int, column: int, message: str):
+        message = clip(message)
         self.filename = filename
         self.line = line
         self.column = column

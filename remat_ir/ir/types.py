@@ -88,6 +88,9 @@ class Value(msgspec.Struct, omit_defaults=True):
     source: str = ""  # params/buffers: the module attribute path; inputs: the argument name
     requires_grad: bool = False
     aliases: list[str] = []  # other attribute paths of a tied parameter
+    # The 1-based `.rir` line that declares it (a value declared on a node line: that
+    # node's line); 0 when made in memory.  Like `Instr.line`, only for messages.
+    line: int = 0
 
 
 # -------------------------------------------------------------------- nodes
@@ -110,6 +113,7 @@ class Node(msgspec.Struct, omit_defaults=True):
     mutates: list[str] = []  # operands written in place
     flops: float = 0.0  # cost model: floating point operations
     time_us: float = 0.0  # cost model: measured run time in microseconds (0: not measured)
+    line: int = 0  # the 1-based `.rir` line it is on (0: made in memory); only for messages
 
 
 # ----------------------------------------------------------------- schedule
@@ -171,6 +175,10 @@ class Header(msgspec.Struct, omit_defaults=True):
     output_spec: str = ""  # torch.utils._pytree treespec of the forward results, serialized
     has_loss: bool = False  # the program includes the loss function given at compile time
     comment: list[str] = []  # free text printed as `#` lines at the top
+    # Header line name (`rir`, `model`, `fingerprint`, `device`, `cost`, `optimizer`,
+    # `budget`, `has_loss`, `output_spec`) -> its 1-based `.rir` line, for messages;
+    # empty when made in memory.  Never printed.
+    lines: dict[str, int] = {}
 
 
 class Program(msgspec.Struct, omit_defaults=True):

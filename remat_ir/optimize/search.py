@@ -23,6 +23,7 @@ is tightened and re-solved, and only plans that fit are returned.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 import warnings
@@ -38,6 +39,7 @@ from remat_ir.optimize.family import Analysis, apply_plan, profile, simulated_pe
 from remat_ir.ir.costs import node_cost
 from remat_ir.ir import COST_PROFILE, Budget, Program
 from remat_ir.ir.printer import human_bytes
+from remat_ir.ir.syntax import clip
 from remat_ir.optimize.milp import KeepModel, SolveRecord, has_solution, installed_solvers, mip_gap, quiet_stdout, solver_options
 from remat_ir.ir.schedule import default_schedule
 from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
@@ -106,27 +108,45 @@ def unoptimized_peak(program: Program, scope: str = "total") -> int:
 
 def resolve_budget(program: Program, text: str | int | float, scope: str = "total") -> int:
     """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
-    a fraction of the unoptimized peak in the scope: "0.5", "50%"."""
+    a fraction of the unoptimized peak in the scope: "0.5", "50%".  Raises
+    ValueError when it cannot be read, or is not a finite number of bytes
+    that fits a 64-bit integer ("1e400", "inf", "99999999999999999999TiB")."""
     if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
-        return int(text)
+        return _budget_int(int(text), text)
     if isinstance(text, float):
-        return int(round(text * unoptimized_peak(program, scope)))
+        if not math.isfinite(text):
+            raise ValueError(f"budget {text!r} is not a finite number: {_HOW}")
+        return _budget_int(text * unoptimized_peak(program, scope), text)
     s = str(text).strip().replace("_", "").replace(" ", "")
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(%|[a-zA-Z]*)", s)
     if not m:
-        raise ValueError(f"cannot read budget {text!r}: write bytes (123456), a size (800MB, 1.5GiB) "
-                         f"or a fraction of the unoptimized peak (0.5, 50%)")
+        raise ValueError(f"cannot read budget {clip(repr(text))}: {_HOW}")
     num, unit = m.group(1), m.group(2).lower()
     if unit == "%":
-        return int(round(float(num) / 100.0 * unoptimized_peak(program, scope)))
+        return _budget_int(float(num) / 100.0 * unoptimized_peak(program, scope), text)
     if unit == "" and "." in num and "e" not in num.lower():
         frac = float(num)
         if frac <= 0:
-            raise ValueError(f"budget fraction must be positive, not {text!r}")
-        return int(round(frac * unoptimized_peak(program, scope)))
+            raise ValueError(f"budget fraction must be positive, not {clip(repr(text))}")
+        return _budget_int(frac * unoptimized_peak(program, scope), text)
     if unit not in _UNITS:
-        raise ValueError(f"unknown unit {m.group(2)!r} in budget {text!r}; use B, KB, MB, GB, KiB, MiB, GiB")
-    return int(round(float(num) * _UNITS[unit]))
+        raise ValueError(f"unknown unit {clip(repr(m.group(2)))} in budget {clip(repr(text))}; "
+                         f"use B, KB, MB, GB, KiB, MiB, GiB")
+    return _budget_int(float(num) * _UNITS[unit], text)
+
+
+_HOW = "write bytes (123456), a size (800MB, 1.5GiB) or a fraction of the unoptimized peak (0.5, 50%)"
+MAX_BUDGET = 2 ** 63 - 1  # bytes: what a plan's budget line (an int64) can hold, 8 EiB
+
+
+def _budget_int(nbytes: float | int, text) -> int:
+    """`nbytes` rounded to an int, refusing what is no amount of memory."""
+    if isinstance(nbytes, float) and not math.isfinite(nbytes):
+        raise ValueError(f"budget {clip(repr(text))} is not a finite number of bytes: {_HOW}")
+    if nbytes > MAX_BUDGET:
+        raise ValueError(f"budget {clip(repr(text))} is {float(nbytes):.3g} bytes, more than any memory "
+                         f"(a budget is at most 2**63 - 1 bytes, 8 EiB): {_HOW}")
+    return int(round(nbytes))
 
 
 # ---------------------------------------------------------------- planner

@@ -24,7 +24,12 @@ from remat_ir.ir import BUFFER, INPUT, PARAM, Node, Program, Value
 
 
 class PlanMismatch(ValueError):
-    """The plan does not fit the model or the inputs it is used with."""
+    """The plan does not fit the model or the inputs it is used with; `line`:
+    the plan's line that differs from the model, when one does (else 0)."""
+
+    def __init__(self, message: str, line: int = 0):
+        super().__init__(message)
+        self.line = line
 
 
 _RECOMPILE = ("recompile the plan for this model (remat-compile), or, for a model you know is "
@@ -92,9 +97,10 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
     finally:
         model.train(was_training)
-    difference = _first_difference(program, fresh)
+    difference, line = _first_difference(program, fresh)
     if difference:
-        raise PlanMismatch(f"this model no longer produces the plan's graph: {difference}; {_RECOMPILE}")
+        raise PlanMismatch(f"this model no longer produces the plan's graph: {difference}; {_RECOMPILE}",
+                           line)
 
 
 def _blank(v: Value, device) -> torch.Tensor:
@@ -112,7 +118,9 @@ def _call(n: Node) -> str:
 
 
 def _where(n: Node) -> str:
-    return f"node {n.name}" + (f" (module {n.module})" if n.module else "")
+    at = [f"line {n.line}"] if n.line else []
+    at += [f"module {n.module}"] if n.module else []
+    return f"node {n.name}" + (f" ({', '.join(at)})" if at else "")
 
 
 # What a node and a value are, for the comparison: everything but costs
@@ -122,34 +130,36 @@ _VALUE_FIELDS = ("kind", "dtype", "shape", "stride", "storage", "nbytes", "sourc
                  "aliases")
 
 
-def _first_difference(plan: Program, fresh: Program) -> str:
+def _first_difference(plan: Program, fresh: Program) -> tuple[str, int]:
     """The first way in which `fresh` (the model traced now) differs from
-    `plan`, in words; "" when the graphs are the same."""
+    `plan`, in words, and the plan's line where it is (0: none); ("", 0)
+    when the graphs are the same."""
     for a, b in zip(plan.nodes, fresh.nodes):
         if a.op != b.op or a.args != b.args or a.kwargs != b.kwargs:
-            return f"at {_where(a)} the plan runs {_call(a)}, the model now runs {_call(b)}"
+            return f"at {_where(a)} the plan runs {_call(a)}, the model now runs {_call(b)}", a.line
         for f in _NODE_FIELDS:
             if getattr(a, f) != getattr(b, f):
                 return (f"at {_where(a)} the plan has {f} {getattr(a, f)!r}, the model now gives "
-                        f"{getattr(b, f)!r}")
+                        f"{getattr(b, f)!r}"), a.line
     if len(plan.nodes) != len(fresh.nodes):
         if len(plan.nodes) > len(fresh.nodes):
             n = plan.nodes[len(fresh.nodes)]
-            return f"the model now ends before the plan's {_where(n)}: {_call(n)}"
+            return f"the model now ends before the plan's {_where(n)}: {_call(n)}", n.line
         n = fresh.nodes[len(plan.nodes)]
-        return f"the model now runs more ops, from {_where(n)}: {_call(n)}"
+        return f"the model now runs more ops, from {_where(n)}: {_call(n)}", 0
     fresh_values = fresh.value_map()
     for v in plan.values:
         w = fresh_values.get(v.name)
         if w is None:
-            return f"the plan's value {v.name} no longer exists"
+            return f"the plan's value {v.name} no longer exists", v.line
         for f in _VALUE_FIELDS:
             if getattr(v, f) != getattr(w, f):
-                return f"value {v.name}: the plan has {f} {getattr(v, f)!r}, the model now gives {getattr(w, f)!r}"
+                return (f"value {v.name}: the plan has {f} {getattr(v, f)!r}, the model now gives "
+                        f"{getattr(w, f)!r}"), v.line
     for f in ("output_spec", "has_loss"):
         if getattr(plan.header, f) != getattr(fresh.header, f):
-            return f"the step's {f} changed (the plan: {getattr(plan.header, f)!r}, the model now: " \
-                   f"{getattr(fresh.header, f)!r})"
+            return (f"the step's {f} changed (the plan: {getattr(plan.header, f)!r}, the model now: "
+                    f"{getattr(fresh.header, f)!r})"), plan.header.lines.get(f, 0)
     if [(o.kind, o.key, o.value) for o in plan.outputs] != [(o.kind, o.key, o.value) for o in fresh.outputs]:
-        return "the step's outputs changed"
-    return ""
+        return "the step's outputs changed", 0
+    return "", 0

@@ -30,7 +30,15 @@ class LoadedModel:
 def load_model(spec: str, *, batch: int | None = None, seq: int | None = None, device: str = "cpu",
                fake: bool = False, seed: int = 0) -> LoadedModel:
     """Build the model named by `spec`.  With `fake`, inside a FakeTensorMode:
-    parameters and inputs have shapes but no memory."""
+    parameters and inputs have shapes but no memory.  Refuses (ModelError),
+    before building anything, a batch or sequence length below 1, a sequence
+    longer than a built-in model's block size, a flag the model cannot take,
+    and a CUDA device on a machine without one."""
+    check_device(device)
+    for flag, n in (("batch", batch), ("seq", seq)):
+        if n is not None and n < 1:
+            raise ModelError(f"--{flag} {n}: the {'batch size' if flag == 'batch' else 'sequence length'} "
+                             f"must be at least 1")
     ctx = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -43,9 +51,42 @@ def load_model(spec: str, *, batch: int | None = None, seq: int | None = None, d
     if spec not in BUILTINS:
         raise ModelError(f"unknown model {spec!r}: give a built-in name ({', '.join(BUILTINS)}) "
                          "or a .py file that defines build()")
+    builtin = BUILTINS[spec]
+    if seq is not None and builtin.gpt is None:
+        raise ModelError(f"--seq {seq}: {spec} takes no sequence length; drop --seq")
+    if seq is not None and seq > builtin.gpt.block_size:
+        raise ModelError(f"--seq {seq} is longer than {spec}'s block size, {builtin.gpt.block_size} "
+                         f"positions: give --seq {builtin.gpt.block_size} or less")
     with ctx:
         module, inputs = build_builtin(spec, batch=batch, seq=seq, device=device, seed=seed)
     return LoadedModel(spec, module, tuple(inputs), None)
+
+
+def _position_limit(module: torch.nn.Module) -> tuple[str, int] | None:
+    """A hard limit on the sequence length the model's config states (its
+    table of learned positions): `block_size` (nanoGPT style) or `n_positions`
+    (transformers' GPT-2), on the first submodule with a `config`."""
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if config is None:
+            continue
+        for attr in ("block_size", "n_positions"):
+            n = getattr(config, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return f"config.{attr}", n
+        return None
+    return None
+
+
+def check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without one (ModelError)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise ModelError(f"--device {device}: not a device ({e})") from e
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device {device}, but this machine has no CUDA device "
+                         f"(torch.cuda.is_available() is False): use --device cpu")
 
 
 def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
@@ -70,10 +111,14 @@ def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
     import inspect
 
     params = inspect.signature(build).parameters
-    if batch is not None and "batch" in params:
-        kwargs["batch"] = batch
-    if seq is not None and "seq" in params:
-        kwargs["seq"] = seq
+    any_kw = any(q.kind == q.VAR_KEYWORD for q in params.values())
+    for flag, n in (("batch", batch), ("seq", seq)):
+        if n is None:
+            continue
+        if flag not in params and not any_kw:
+            raise ModelError(f"{path}: --{flag} {n}, but build() takes no {flag} argument, so its inputs "
+                             f"cannot change: give build() a `{flag}` parameter, or drop --{flag}")
+        kwargs[flag] = n
     try:
         with ctx:
             built = build(**kwargs)
@@ -85,6 +130,12 @@ def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     inputs = tuple(inputs)
+    limit = _position_limit(module)
+    if seq is not None and limit is not None and seq > limit[1]:
+        # Under fake tensors an embedding does not check its indices: the
+        # trace would succeed and the plan fail when run.
+        raise ModelError(f"{path}: --seq {seq} is longer than the model's {limit[0]}, {limit[1]} positions: "
+                         f"give --seq {limit[1]} or less")
     if device != "cpu":
         module = module.to(device)
         inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)

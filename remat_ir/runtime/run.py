@@ -8,15 +8,18 @@ parameters, buffers, inputs, optimizer state and, after the first step, `.grad`.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
+from remat_ir.runtime.bind import PlanMismatch
 from remat_ir.runtime.interpret import wrap
-from remat_ir.ir import Program
-from remat_ir.ir.types import OPTIMIZER_STATES
+from remat_ir.ir import INPUT, RESULT, Program
+from remat_ir.ir.types import DTYPE_SHORT, OPTIMIZER_STATES
 from remat_ir.runtime.load import LoadedModel
 from remat_ir.runtime.memtrack import measure_step
 from remat_ir.check.simulate import MemoryReport, optimizer_state_bytes, simulate
@@ -28,7 +31,7 @@ class StepCheck:
     grads_equal: bool
     max_abs_grad_diff: float
     loss_equal: bool
-    worst: str = ""  # parameter with the largest difference
+    worst: str = ""  # the parameter (or "input NAME", "buffer NAME") with the largest difference
 
 
 @dataclass
@@ -83,20 +86,51 @@ def optimizer_state(module: torch.nn.Module, optimizer: str) -> list[torch.Tenso
     return [torch.zeros_like(p) for p in module.parameters() if p.requires_grad for _ in range(per)]
 
 
+def step_result_problem(program: Program) -> str | None:
+    """Why `program`'s step does not end in one scalar loss that
+    `loss.backward()` can start from ("a tuple of 2 tensors (f32[3,4],
+    f32[3,4])"); None when it does."""
+    values = program.value_map()
+    results = [values[o.value] for o in program.outputs if o.kind == RESULT]
+    spec = pytree.treespec_loads(program.header.output_spec) if program.header.output_spec else None
+    leaf = spec is None or spec.is_leaf()
+    if len(results) == 1 and leaf:
+        n = math.prod(results[0].shape)
+        return None if n == 1 else f"a tensor of shape {results[0].shape} ({n} elements)"
+    kind = spec.type.__name__ if spec is not None and spec.type is not None else "structure"
+    shapes = ", ".join(f"{DTYPE_SHORT.get(v.dtype, v.dtype)}[{','.join(map(str, v.shape))}]" for v in results)
+    return f"a {kind} of {len(results)} tensor{'s' if len(results) != 1 else ''} ({shapes})"
+
+
+def own_copy(inputs: tuple) -> tuple:
+    """The step's inputs, copied: a model that updates an input in place
+    (`x.mul_(2)`) then changes only its own copy.  `requires_grad` is kept."""
+    return tuple(x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                 for x in inputs)
+
+
+def _scalar_step(program: Program) -> None:
+    problem = step_result_problem(program)
+    if problem is not None:
+        raise PlanMismatch(f"the plan's step returns {problem}, not a scalar loss, so a training step "
+                           f"cannot call .backward() on it; compile the plan from a model whose forward, "
+                           f"or loss(output, *inputs), returns a scalar loss")
+
+
 def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: str = "cpu",
              check: bool = False, seed: int = 0, check_model: bool = True) -> RunReport:
+    _scalar_step(program)
     dev = torch.device(device)
     module = model.module.to(dev)
     inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in model.inputs)
-    eager_module = copy.deepcopy(module)
     wrapped = wrap(module, program, loss=model.loss, check_model=check_model)
     wrapped.train()
-    eager_module.train()
     loss_fn = model.loss
+    eager_module = eager_inputs = None  # made after the measurement, which they would be part of on CUDA
 
     def eager_step():
-        out = eager_module(*inputs)
-        loss = loss_fn(out, *inputs) if loss_fn is not None else out
+        out = eager_module(*eager_inputs)
+        loss = loss_fn(out, *eager_inputs) if loss_fn is not None else out
         loss.backward()
         return loss.detach()
 
@@ -133,6 +167,9 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
         measured_first_peak=first.peak_bytes, measured_peak=later.peak_bytes,
         measured_baseline=later.baseline_by_category, step_times=[], eager_step_times=[])
 
+    # Eager gets its own module and inputs (a model may update an input in place).
+    eager_module = copy.deepcopy(module).train()
+    eager_inputs = own_copy(inputs)
     # Timing: alternate the two so drift on a busy machine hits both alike.
     for i in range(max(steps, 1)):
         for fn, sink in ((eager_step, report.eager_step_times), (plan_step, report.step_times)):
@@ -152,14 +189,23 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
 
 def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, device: str = "cpu",
                     seed: int = 0, check_model: bool = True) -> list[StepCheck]:
-    """Eager and planned steps from the same parameters and seeds, compared
-    after each step.  Steps cycle through `.grad` handling: set to None,
-    accumulated, zeroed in place."""
+    """Eager and planned steps from the same parameters, inputs and seeds,
+    compared after each step: the loss, every parameter's gradient, the
+    gradient of every input that requires grad, and the buffers.  Each side
+    has its own copy of the module and of the inputs, so a model that updates
+    an input in place sees the same input on both.  Steps cycle through
+    `.grad` handling: set to None, accumulated, zeroed in place."""
+    _scalar_step(program)
     dev = torch.device(device)
     base = copy.deepcopy(model.module).to(dev)
     eager = copy.deepcopy(base)
     planned = wrap(copy.deepcopy(base), program, loss=model.loss, check_model=check_model)
     inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in model.inputs)
+    eager_inputs, plan_inputs = own_copy(inputs), own_copy(inputs)
+    names = [v.name for v in program.values if v.kind == INPUT]
+    names += [f"input{i}" for i in range(len(names), len(inputs))]
+    grad_inputs = [(f"input {names[i]}", eager_inputs[i], plan_inputs[i]) for i, x in enumerate(inputs)
+                   if isinstance(x, torch.Tensor) and x.requires_grad]
     loss_fn = model.loss
     out: list[StepCheck] = []
     for step in range(steps):
@@ -169,15 +215,23 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
                 m.zero_grad(set_to_none=True)
             elif mode == 2:
                 m.zero_grad(set_to_none=False)
+        for _, *xs in grad_inputs:
+            for x in xs:
+                if mode == 0:
+                    x.grad = None
+                elif mode == 2 and x.grad is not None:
+                    x.grad.zero_()
         torch.manual_seed(seed + step)
-        e = eager(*inputs)
-        e = loss_fn(e, *inputs) if loss_fn is not None else e
+        e = eager(*eager_inputs)
+        e = loss_fn(e, *eager_inputs) if loss_fn is not None else e
         e.backward()
         torch.manual_seed(seed + step)
-        p = planned(*inputs)
+        p = planned(*plan_inputs)
         p.backward()
         worst, diff, equal = "", 0.0, True
-        for (name, a), b in zip(eager.named_parameters(), planned.module.parameters()):
+        pairs = [(name, a, b) for (name, a), b in zip(eager.named_parameters(), planned.module.parameters())]
+        pairs += grad_inputs
+        for name, a, b in pairs:
             if (a.grad is None) != (b.grad is None):
                 equal, diff, worst = False, float("inf"), name
                 continue
@@ -191,5 +245,8 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
         for (name, a), b in zip(eager.named_buffers(), planned.module.buffers()):
             if not torch.equal(a, b):
                 equal, worst = False, f"buffer {name}"
+        for (name, a, b) in zip(names, eager_inputs, plan_inputs):
+            if isinstance(a, torch.Tensor) and not torch.equal(a, b):  # updated in place differently
+                equal, worst = False, f"input {name} (updated in place)"
         out.append(StepCheck(step, equal, diff, bool(torch.equal(e.detach(), p.detach())), worst))
     return out

@@ -9,7 +9,6 @@ GPT-2 medium step is planned in seconds on a laptop.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 import operator
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from remat_ir.ir import (
     BACKWARD, BUFFER, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output,
     Program, Value,
 )
+from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.schedule import default_schedule
 from remat_ir.trace.rewrites import rewrite
 
@@ -88,12 +88,6 @@ def model_buffers(module: torch.nn.Module):
     return [tuple(x) for x in seen.values()]
 
 
-def param_fingerprint(params, buffers) -> list[tuple[str, str, tuple[int, ...]]]:
-    rows = [(n, str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p, _ in params]
-    rows += [("buffer:" + n, str(b.dtype).removeprefix("torch."), tuple(b.shape)) for n, b, _ in buffers]
-    return rows
-
-
 def input_names(module: torch.nn.Module, n: int) -> list[str]:
     try:
         sig = inspect.signature(module.forward)
@@ -149,6 +143,9 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
             probe = run(f_params, f_bufs, f_inputs)
     except Exception as e:  # noqa: BLE001 - the model's own code failed under fake tensors
         raise _explain(e) from e
+    if loss_fn is not None and not (isinstance(probe, torch.Tensor) and probe.numel() == 1):
+        raise TraceError(f"loss() returned {describe_result(probe)}; a loss must be one scalar tensor: "
+                         "reduce it (e.g. with .mean() or .sum())")
     flat_probe, spec = pytree.tree_flatten(probe)
     for o in flat_probe:
         if not isinstance(o, torch.Tensor):
@@ -190,6 +187,19 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
     rewrite(gm)
     return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                        loss_fn is not None, model_name)
+
+
+def describe_result(out) -> str:
+    """`out`, what a forward or a loss returned, in a few words: "a tensor of
+    shape [3, 4] (12 elements)", "a tuple of 2 tensors"."""
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {list(out.shape)} ({out.numel()} elements)"
+    leaves = pytree.tree_leaves(out)
+    if isinstance(out, (tuple, list, dict)) or len(leaves) != 1 or leaves[0] is not out:
+        tensors = sum(isinstance(x, torch.Tensor) for x in leaves)
+        return f"a {type(out).__name__} of {tensors} tensor{'s' if tensors != 1 else ''}" + (
+            f" and {len(leaves) - tensors} other values" if tensors != len(leaves) else "")
+    return f"a {type(out).__name__}"
 
 
 def _explain(e: Exception) -> TraceError:
@@ -439,7 +449,7 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     header = Header(model=model_name, device=_device_of(params, buffers, inputs), output_spec=pytree.treespec_dumps(spec),
                     has_loss=has_loss)
     program = Program(header=header, values=values, nodes=nodes, forward=[], backward=[], outputs=outputs)
-    header.fingerprint = fingerprint(param_fingerprint(params, buffers), program)
+    header.fingerprint = fingerprint(program)
     program.forward, program.backward = default_schedule(program)
     return program
 
@@ -466,16 +476,6 @@ def _module_stack_of_users(n) -> dict:
         if u.meta.get("nn_module_stack"):
             return u.meta["nn_module_stack"]
     return {}
-
-
-def fingerprint(param_rows, program: Program) -> str:
-    h = hashlib.sha256()
-    for row in param_rows:
-        h.update(repr(row).encode())
-    for n in program.nodes:
-        h.update(n.op.encode())
-        h.update(repr([v for v in n.outputs]).encode())
-    return h.hexdigest()[:16]
 
 
 def _device_of(params, buffers, inputs) -> str:

@@ -1,0 +1,43 @@
+"""A plan's fingerprint: a hash of what the plan says about the model.
+
+A plan has two kinds of content.  The graph section (values, nodes, outputs)
+and the header fields the compile sets (device, loss, output structure,
+optimizer state) are derived from the model: the verifier and the
+interpreter trust them.  The schedule (forward, backward), the budget, the
+header comment and the cost annotations (`flops`, measured `time_us`) are
+what people read and edit.  The fingerprint hashes the first kind and
+nothing of the second, so a schedule edit never changes it and any edit of
+the graph section or of those header fields does.  The tracer writes it;
+the verifier recomputes it and refuses a plan whose content no longer
+matches.  An empty fingerprint (a hand-written plan) is not checked.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from remat_ir.ir.types import Program
+
+# Fields that do not change what the plan computes: where it was printed,
+# and what recomputing an op is believed to cost.
+_NOT_HASHED = frozenset({"line", "lines", "flops", "time_us"})
+_HEADER_HASHED = ("version", "device", "has_loss", "output_spec", "optim", "optim_state_bytes")
+
+
+def fingerprint(program: Program) -> str:
+    """16 hex digits of a hash of `program`'s header fields derived from the
+    model and of its graph section."""
+    h = program.header
+    content = {
+        "header": {f: getattr(h, f) for f in _HEADER_HASHED},
+        "values": [_facts(v) for v in program.values],
+        "nodes": [_facts(n) for n in program.nodes],
+        "outputs": [[o.kind, o.key, o.value] for o in program.outputs],
+    }
+    return hashlib.sha256(msgspec.json.encode(content)).hexdigest()[:16]
+
+
+def _facts(struct) -> dict:
+    d = msgspec.to_builtins(struct)
+    return {k: d[k] for k in sorted(d) if k not in _NOT_HASHED}
