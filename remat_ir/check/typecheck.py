@@ -22,7 +22,7 @@ For each node, in graph order:
   (`torch.Tag.nondeterministic_seeded`, or `remat_ir.ir.ops.RANDOM_OPS`), and
   `mutates(...)` lists exactly the operands the op's schema writes (plus the
   running statistics `native_batch_norm` updates in training, which its schema
-  does not mark: `_HIDDEN_MUTATORS`, the tracer's table).
+  does not mark: `remat_ir.ir.ops.HIDDEN_MUTATORS`).
 
 Each node is checked on its declared operands, not on what earlier nodes
 produced, so one wrong fact is reported once, where it is declared.  Values,
@@ -46,15 +46,6 @@ from remat_ir.ir.types import (
 )
 
 __all__ = ["typecheck"]
-
-# Ops that update operands in place in training mode without an alias
-# annotation in their schema: op -> (index of the `training` flag, indices of
-# the operands updated).  The tracer's `_HIDDEN_MUTATORS`, restated here.
-_HIDDEN_MUTATORS = {
-    "aten.native_batch_norm.default": (5, (3, 4)),
-    "aten.cudnn_batch_norm.default": (5, (3, 4)),
-    "aten.miopen_batch_norm.default": (5, (3, 4)),
-}
 
 # Device types a plan may name, for "did you mean" (torch.device decides).
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
@@ -114,6 +105,7 @@ class _Checker:
         self.torch = torch
         self.ft = fake_tensor
         self.random_ops = remat_ops.RANDOM_OPS
+        self.hidden_mutators = remat_ops.HIDDEN_MUTATORS
         self.p = program
         self.out: list[tuple[Loc, str]] = []
         self.values = {}
@@ -328,7 +320,7 @@ class _Checker:
 
     def written(self, op, n) -> list[str]:
         """Names of the operands `op` writes, as the tracer records them."""
-        hidden = _HIDDEN_MUTATORS.get(n.op)
+        hidden = self.hidden_mutators.get(n.op)
         if hidden is not None:
             flag, idx = hidden
             training = n.args[flag] if len(n.args) > flag else n.kwargs.get("training", False)

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from remat_ir import ir
-from remat_ir.ir.ops import RANDOM_OPS
+from remat_ir.ir.ops import HIDDEN_MUTATORS, RANDOM_OPS
 from remat_ir.ir import (
     BACKWARD, BUFFER, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output,
     Program, Value,
@@ -34,14 +34,6 @@ from remat_ir.trace.rewrites import rewrite
 class TraceError(ValueError):
     """The model cannot be traced into a program; the message says why and what to do."""
 
-
-# Ops that update their running-stat operands in place without saying so in
-# their schema.  Index of the `training` flag and of the mutated operands.
-_HIDDEN_MUTATORS = {
-    "aten.native_batch_norm.default": (5, (3, 4)),
-    "aten.cudnn_batch_norm.default": (5, (3, 4)),
-    "aten.miopen_batch_norm.default": (5, (3, 4)),
-}
 
 # Ops whose result depends on data the shapes don't tell: the program has
 # static shapes and cannot replay them.
@@ -520,8 +512,8 @@ def _mutated_indices(n) -> list[int]:
     if not isinstance(op, torch._ops.OpOverload):
         return []
     key = _op_string(op)
-    if key in _HIDDEN_MUTATORS:
-        flag, idx = _HIDDEN_MUTATORS[key]
+    if key in HIDDEN_MUTATORS:
+        flag, idx = HIDDEN_MUTATORS[key]
         training = n.args[flag] if len(n.args) > flag else False
         return [i for i in idx if training and i < len(n.args) and isinstance(n.args[i], torch.fx.Node)]
     out = []
