@@ -3,6 +3,8 @@ and the MILP's recompute cost equals a brute-force search over the plan
 family (keep or recompute each forward node; see `remat_ir/optimize/family.py`)."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import sys
 from pathlib import Path
@@ -255,14 +257,12 @@ def test_combine_milp_when_not_a_chain(stacked12):
     """The general combine (a MILP over per-segment options, used when
     backward does not visit the segments in reverse order) gives a plan that
     fits too."""
-    from remat_ir.optimize import search as opt
-    p = stacked_program(12)  # a fresh object: its own planner
+    from remat_ir.optimize.search import EFFORTS, Planner
+    p = stacked_program(12)
     budget = int(unoptimized_peak(p, "activations") * 0.7)
-    optimize(p, budget, "activations")
-    pl = opt._planner(p, "activations", "HIGHS", None, None)
-    pl._chain = False
-    pl.plans.clear()
-    milp = optimize(p, budget, "activations")
+    settings = dataclasses.replace(EFFORTS["fast"], combine="milp")
+    pl = Planner(p, "activations", effort=settings)
+    milp = optimize(p, budget, "activations", planner=pl)
     check_plan(milp, p, budget, "activations")
     assert any("combine" in s.name and "DP" not in s.name for s in milp.solves)
 
@@ -471,19 +471,34 @@ def test_node_pinned_by_a_result_view_is_kept():
             check_plan(r, program, budget, scope)
 
 
-def test_full_effort_is_reproducible():
-    """effort="full" solves every per-block MILP to its gap tolerance, so two
-    cold solves give the same plan whatever the machine is doing."""
-    from remat_ir.optimize import search as opt
+def _busy():
+    while True:
+        pass
+
+
+def test_full_effort_gives_the_same_plan_on_a_loaded_machine():
+    """effort="full" bounds every MILP by its gap tolerance, never by time:
+    a cold solve on an idle machine and one beside two busy loops (one per
+    core) print the same plan."""
+    import multiprocessing
+
     from remat_ir.ir.printer import format_program
 
     plans = []
-    for _ in range(2):
-        p = stacked_program(12)  # a fresh object each time: a cold planner
-        opt._CACHE.clear()
-        budget = int(unoptimized_peak(p, "activations") * 0.6)
-        r = optimize(p, budget, "activations", effort="full", decompose=True)
+    for loaded in (False, True):
+        procs = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(2 if loaded else 0)]
+        for q in procs:
+            q.start()
+        try:
+            p = stacked_program(12)
+            budget = int(unoptimized_peak(p, "activations") * 0.6)
+            r = optimize(p, budget, "activations", effort="full", decompose=True)
+        finally:
+            for q in procs:
+                q.kill()
+                q.join()
         check_plan(r, p, budget, "activations")
+        assert not r.time_limited
         assert all(s.status == "optimal" for s in r.solves if "DP" not in s.name)
         plans.append(format_program(r.program))
     assert plans[0] == plans[1]

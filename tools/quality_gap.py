@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from remat_ir.optimize import search as opt  # noqa: E402
 from remat_ir.models import GPT, GPTConfig  # noqa: E402
 from remat_ir.optimize.search import Infeasible, optimize, resolve_budget  # noqa: E402
 from remat_ir.trace.tracer import trace_builtin, trace_module  # noqa: E402
@@ -41,7 +40,6 @@ def gpt_no_dropout():
 
 
 def solve(p, budget, **kw):
-    opt._CACHE.clear()
     t0 = time.perf_counter()
     try:
         r = optimize(p, budget, "activations", **kw)

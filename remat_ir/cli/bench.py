@@ -202,6 +202,7 @@ class Context:
         self.trace_s = None
         self.profile_s = None  # with --cost profile: timing every op of the traced step
         self._opt_api = None
+        self._planner = None
         self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     def fresh(self) -> torch.nn.Module:
@@ -224,6 +225,15 @@ class Context:
             self.trace_s = stats.seconds["trace"]
             self.profile_s = stats.seconds.get("profile")
         return self._program
+
+    def planner(self):
+        """One optimizer planner for every budget row: the block options built
+        for one budget serve the next."""
+        if self._planner is None:
+            from remat_ir.optimize.search import Planner
+
+            self._planner = Planner(self.program(), "activations")
+        return self._planner
 
     def optimizer_api(self):
         """The optimizer package, or Unavailable (shown as n/a) when it cannot be imported."""
@@ -363,7 +373,7 @@ def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
             with quiet_stdout(), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 program = fit(program, budget, scope="activations", time_limit=ctx.args.time_limit,
-                              stats=stats)
+                              stats=stats, planner=ctx.planner())
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible":
                 fb = getattr(e, "floor_bytes", None)
@@ -770,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation budgets for torch.compile and remat-ir (default 0.7,0.5,0.3)")
     p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "adam"],
                    help="optimizer state allocated (and counted in the totals); default adam")
-    p.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per solve (s)")
+    p.add_argument("--time-limit", type=float, default=300.0, help="optimizer safety stop per budget (s)")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what remat-ir's optimizer minimizes: recomputed FLOPs (default), or recomputed op "
                         "time, each op timed on the device first (as remat-compile --cost profile)")

@@ -49,12 +49,13 @@ def _compile_parser() -> argparse.ArgumentParser:
                                     "unoptimized peak in --scope, or floor (the smallest peak reachable)")
     p.add_argument("--scope", default="total", choices=["total", "activations"])
     p.add_argument("--solver", default="HIGHS")
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per optimizer solve "
-                                                                    "(per budget with --pareto)")
+    p.add_argument("--time-limit", type=float, default=300.0,
+                   help="safety stop for the optimizer, in seconds per budget (default 300); a plan it "
+                        "cuts short says so in its header")
     p.add_argument("--effort", default="fast", choices=["fast", "full"],
                    help="fast: each per-block MILP stops after about a second with its best plan, so "
-                        "plans can vary with machine load; full: each runs to optimality (slower; the "
-                        "same plan on every machine unless --time-limit stops it)")
+                        "plans can vary with machine load; full: each MILP is solved to its gap "
+                        "tolerance, and two runs give the same plan on any machine")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
                         "measured on --device (needs real tensors: not with --fake)")

@@ -249,11 +249,19 @@ class KeepModel:
 
     # ------------------------------------------------------------ model
 
-    def build(self):
+    def build(self, active: set | None = None):
+        """Build the rows.  `active`, when given, names the memory rows to
+        build (see `row_id`); the others are left out, with the liveness
+        variables only they need.  A plan that fits every row it was solved
+        with and then fits the exact profile is optimal for the whole model."""
         a = self.a
         nf = a.nf
         self.const_mem = 0.0
         events = self.events
+        self.active = active
+
+        def want(rid) -> bool:
+            return active is None or rid in active
         E = len(events)
         last_stage = events[-1] if events else -1
         rec, cons, ps = self.rec, self.cons, self.ps
@@ -345,15 +353,17 @@ class KeepModel:
             stage = events[e]
             prev = events[e - 1] if e > 0 else -1
             # after the backward node
-            mem = {CONST: float(const_b[stage])}
-            for k in range(len(sts)):
-                if stage > maxneed[k]:
-                    continue
-                y = Yb(k, e)
-                if not y:
-                    continue
-                _add(mem, live(k, y, stage), float(sts[k].size))
-            self.row(mem, "mem")
+            if want(("b", e)):
+                mem = {CONST: float(const_b[stage])}
+                for k in range(len(sts)):
+                    if stage > maxneed[k]:
+                        continue
+                    y = Yb(k, e)
+                    if y:
+                        _add(mem, live(k, y, stage), float(sts[k].size))
+                self.row(mem, "mem")
+            if not want(("q", e)):
+                continue
             # recompute slots, and the gap before this event
             qs = list(slots.get(stage, ()))
             gap_lo = prev + 1 if (e > 0 or self.mode == "flat") else stage
@@ -400,7 +410,7 @@ class KeepModel:
             deaths = sorted({st.asap_death for st, r in zip(sts, R) if r and lo_t <= st.asap_death + 1 <= hi_t})
             cuts = [lo_t] + [d + 1 for d in deaths] + [hi_t + 1]
             for c0, c1 in zip(cuts, cuts[1:]):
-                if c1 <= c0:
+                if c1 <= c0 or not (active is None or any(want(("f", t)) for t in range(c0, c1))):
                     continue
                 mem = {CONST: float(prof[c0:c1].max())}
                 for st, r in zip(sts, R):
@@ -413,7 +423,7 @@ class KeepModel:
             if r:
                 _add(ret, r, float(st.size))
         self.retained_expr = ret
-        if self.mode == "flat":
+        if self.mode == "flat" and want(("s",)):
             start = dict(ret)
             start[CONST] = start.get(CONST, 0.0) + float(a.const_start)
             self.row(start, "mem")
@@ -531,7 +541,7 @@ class Compiled:
         self.problem = cp.Problem(cp.Minimize(obj), cons)
 
     def solve(self, name: str, *, solver: str = "HIGHS", time_limit: float = 60.0,
-              warm: bool = False, log=None, rel_gap: float = 1e-6):
+              warm: bool = False, log=None, rel_gap: float = 1e-6, nodes: int | None = None):
         """Solve; returns (kept decisions or None, SolveRecord).  A solution is
         accepted only when every binary is integral (CBC may return the LP
         relaxation at a time limit)."""
@@ -543,7 +553,7 @@ class Compiled:
             with quiet_stdout(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.problem.solve(solver=solver, warm_start=warm,
-                                   **solver_options(solver, max(time_limit, 0.05), rel_gap))
+                                   **solver_options(solver, max(time_limit, 0.05), rel_gap, nodes))
             status = self.problem.status
             objv = self.problem.value
             gap = mip_gap(self.problem, solver)
@@ -573,13 +583,21 @@ class Compiled:
         return keep, rec
 
 
-def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6) -> dict:
-    """Time limit and relative optimality gap, in each backend's words."""
+def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6, nodes: int | None = None) -> dict:
+    """Time limit, relative optimality gap and branch-and-bound node limit, in
+    each backend's words.  The node limit is what keeps a stopped solve
+    deterministic: a time limit stops it wherever the machine's load left it."""
     solver = solver.upper()
     if solver == "HIGHS":
-        return {"time_limit": float(time_limit), "mip_rel_gap": rel_gap, "mip_abs_gap": 1e-9}
+        opts = {"time_limit": float(time_limit), "mip_rel_gap": rel_gap, "mip_abs_gap": 1e-9}
+        if nodes is not None:
+            opts["mip_max_nodes"] = int(nodes)
+        return opts
     if solver == "SCIP":
-        return {"scip_params": {"limits/time": float(time_limit), "limits/gap": rel_gap}}
+        params = {"limits/time": float(time_limit), "limits/gap": rel_gap}
+        if nodes is not None:
+            params["limits/nodes"] = int(nodes)
+        return {"scip_params": params}
     if solver == "CBC":
         return {"maximumSeconds": max(1, int(time_limit))}
     if solver == "GLPK_MI":
@@ -622,3 +640,47 @@ MILP_SOLVERS = ("HIGHS", "SCIP", "CBC", "GLPK_MI", "SCIPY")
 def installed_solvers() -> list[str]:
     """The MILP backends cvxpy can use here."""
     return [s for s in MILP_SOLVERS if s in cp.installed_solvers()]
+
+
+def pick_options(A: np.ndarray, const: np.ndarray, cost: np.ndarray, groups: list[list[int]],
+                 budget: float | None, *, name: str, solver: str = "HIGHS", time_limit: float = 60.0,
+                 nodes: int | None = None, log=None):
+    """One option per group (the columns of A), such that every memory row
+    ``A @ z + const`` stays within `budget`, at the least `cost`; with
+    `budget` None, the least peak (ties: the least cost).  Returns (the
+    chosen columns or None, SolveRecord)."""
+    n = A.shape[1]
+    scale = 1000.0 / max(float(np.abs(A).max(initial=0.0)), 1.0)
+    z = cp.Variable(n, boolean=True)
+    cons = [cp.sum(z[g]) == 1 for g in groups if g]
+    cosc = cost / max(float(cost.sum()), 1.0)
+    if budget is None:
+        B = cp.Variable()
+        cons.append((A * scale) @ z + const * scale <= B)
+        obj = cp.Minimize(B + 1e-4 * (cosc @ z))
+    else:
+        cons.append((A * scale) @ z + const * scale <= float(budget) * scale)
+        obj = cp.Minimize(cosc @ z)
+    prob = cp.Problem(obj, cons)
+    t0 = time.perf_counter()
+    status, gap = "error", None
+    try:
+        with quiet_stdout(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prob.solve(solver=solver, **solver_options(solver, max(time_limit, 0.05), 1e-6, nodes))
+        status = prob.status
+        gap = mip_gap(prob, solver)
+    except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
+        status = f"error: {str(e)[:80]}"
+    rec = SolveRecord(name, status, None if prob.value is None else float(prob.value), gap,
+                      time.perf_counter() - t0, n, n, A.shape[0] + len(groups))
+    if log:
+        g = "-" if gap is None else f"{gap:.2%}"
+        log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
+    if status not in ("optimal", "optimal_inaccurate", "user_limit") or z.value is None \
+            or not has_solution(prob, solver):
+        return None, rec
+    zv = np.asarray(z.value)
+    if np.any(np.abs(zv - np.round(zv)) > 1e-4):
+        return None, rec
+    return [c for c in range(n) if zv[c] > 0.5], rec

@@ -66,21 +66,25 @@ def budgets(top: int, floor: int, points: int = DEFAULT_POINTS) -> list[int]:
 
 
 def sweep(program: Program, scope: str = "total", *, points: int = DEFAULT_POINTS,
-          time_limit: float = 60.0, solver: str = "HIGHS", log=None, progress=None,
+          time_limit: float | None = None, solver: str = "HIGHS", log=None, progress=None,
           effort: str = "fast") -> list[Row]:
     """Optimize `program` for `points` budgets from its unoptimized peak down to
     its floor (in `scope`); one row per budget, highest budget first.
 
     `time_limit` bounds each solve (the floor search included).  `progress`,
     when given, is called with each row as soon as it is solved."""
-    from remat_ir.optimize.search import Infeasible, floor, optimize, unoptimized_peak
+    from remat_ir.optimize.search import DEFAULT_TIME_LIMIT, Infeasible, Planner, floor, optimize, unoptimized_peak
 
+    time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    # One planner for every budget: the block options built for one serve the rest.
+    pl = Planner(program, scope, solver=solver, effort=effort, log=log)
     top = unoptimized_peak(program, scope)
-    low = floor(program, scope, time_limit=time_limit, solver=solver, log=log, effort=effort)
+    low = floor(program, scope, time_limit=time_limit, solver=solver, log=log, effort=effort, planner=pl)
     rows: list[Row] = []
     for b in budgets(top, low, points):
         try:
-            r = optimize(program, b, scope, time_limit=time_limit, solver=solver, log=log, effort=effort)
+            r = optimize(program, b, scope, time_limit=time_limit, solver=solver, log=log, effort=effort,
+                         planner=pl)
         except Infeasible as e:
             row = Row(b, b / top if top else 1.0, None, 0.0, 0.0, 0.0, INFEASIBLE)
             if log:

@@ -16,7 +16,9 @@ distinct segment is solved once, for a range of targets, giving a Pareto set
 of options (bytes kept into backward, transient peak, recompute cost); a
 dynamic program along the chain (a small MILP when backward does not visit
 the segments in reverse order) picks one option per segment, and more
-options are added around the chosen ones while time remains.  Every plan is
+options are added around the chosen ones.  How far each MILP searches is a
+count of branch-and-bound nodes (`Settings`), never a time, so the plan
+depends only on the program, the budget and the options.  Every plan is
 built into an explicit schedule and checked with `simulate()`; when the real
 peak exceeds the budget (the decomposition is approximate) the combine step
 is tightened and re-solved, and only plans that fit are returned.
@@ -26,11 +28,9 @@ from __future__ import annotations
 import math
 import re
 import time
-import warnings
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-import cvxpy as cp
 import msgspec
 import numpy as np
 
@@ -40,7 +40,7 @@ from remat_ir.ir.costs import node_cost
 from remat_ir.ir import COST_PROFILE, Budget, Program
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
-from remat_ir.optimize.milp import KeepModel, SolveRecord, has_solution, installed_solvers, mip_gap, quiet_stdout, solver_options
+from remat_ir.optimize.milp import KeepModel, SolveRecord, installed_solvers, pick_options
 from remat_ir.ir.schedule import default_schedule
 from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
@@ -51,12 +51,9 @@ FLAT_MAX_DECISIONS = 16  # above this, decompose (when the graph has segments)
 # one) and below its floor, and the better plan is taken.
 FLAT_FALLBACK_DECISIONS = 64
 
-# "fast": each per-block option MILP stops after `Planner.solve_cap` seconds
-# with its incumbent, so the option sets (and the plan) can differ with
-# machine load.  "full": every option MILP runs to its gap tolerance; the plan
-# then depends only on the program and the budget (unless --time-limit stops
-# the whole solve first, which the solve records show).
-EFFORTS = ("fast", "full")
+# A safety stop, not a tuning knob: the search's own limits are counts (see
+# `Settings`), and a run this limit cuts short says so.
+DEFAULT_TIME_LIMIT = 300.0
 
 
 class Infeasible(ValueError):
@@ -82,6 +79,7 @@ class OptimizeResult:
     scope: str = "total"
     mode: str = "flat"  # "flat", "decomposed" or "none" (the unoptimized plan fits)
     recomputed: list[str] = field(default_factory=list)
+    time_limited: bool = False  # the safety time limit cut the search short
 
     @property
     def overhead(self) -> float:
@@ -149,6 +147,130 @@ def _budget_int(nbytes: float | int, text) -> int:
     return int(round(nbytes))
 
 
+# ---------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How hard the search works.  With `seconds` caps None, every limit is a
+    count (MILP branch-and-bound nodes, option levels): the plan depends only
+    on the program, the budget and these settings.  The caps in seconds make
+    the search faster and the plan dependent on the machine's speed and
+    load.  A node limit of None solves to the gap tolerance."""
+
+    option_nodes: int | None = None  # per option MILP of a block
+    flat_nodes: int | None = None  # per MILP over every decision (flat fallback, refinement windows)
+    combine_nodes: int | None = None  # per combine MILP (non-chain graphs)
+    option_seconds: float | None = None  # cap per option MILP (the two extremes get twice)
+    options_seconds: float | None = None  # cap on a program's first option sets, all classes
+    flat_seconds: float | None = None  # cap per flat MILP beside the decomposed search
+    combine_seconds: float | None = None  # cap per combine MILP
+    option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
+    kept_levels: int = 5  # option levels of bytes kept into backward ...
+    kept_power: float = 1.5  # ... spaced by this power (denser near the least)
+    peak_levels: int = 4  # option levels of a block's transient peak
+    low_peak_levels: int = 1  # least-peak options at the smallest kept levels
+    fit_per_class: int = 3  # options cut to the room the chain leaves, per block class
+    densify_rounds: int = 3
+    all_windows: bool = False  # refine every pair of adjacent segments, not only a whole-graph window
+    combine: str = "auto"  # "auto": the chain DP where it is exact, else the MILP; "milp": always the MILP
+
+    @property
+    def deterministic(self) -> bool:
+        return all(c is None for c in (self.option_seconds, self.options_seconds, self.flat_seconds,
+                                       self.combine_seconds))
+
+
+# "full" limits each MILP by its gap tolerance only, so two runs give the same
+# plan on any machine; "fast" caps them in seconds (measured: node limits
+# alone do not make them fast, most of a solve is spent at the root).
+EFFORTS = {
+    "fast": Settings(option_seconds=1.0, options_seconds=12.0, flat_seconds=15.0, combine_seconds=10.0),
+    "full": Settings(fit_per_class=9, all_windows=True),
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One plan of a segment, as the combine sees it."""
+
+    kept: frozenset  # kept decisions
+    retained: int  # bytes kept from forward into backward
+    fwd_peak: int  # peak over the segment's forward range (with the constants)
+    bwd_peak: int  # peak over its backward window (with the constants)
+    cost: float  # recompute cost
+
+    @property
+    def numbers(self) -> tuple:
+        return (self.retained, self.fwd_peak, self.bwd_peak, self.cost)
+
+
+def pareto_options(options: list[Option]) -> list[Option]:
+    """`options` without duplicates and without any another option dominates
+    (no worse in every number, better in one); first come first kept."""
+    uniq: dict = {}
+    for o in options:
+        uniq.setdefault(o.kept, o)
+    out, seen = [], set()
+    for o in uniq.values():
+        if o.numbers in seen:
+            continue
+        if any(q.numbers != o.numbers and all(x <= y for x, y in zip(q.numbers, o.numbers))
+               for q in uniq.values()):
+            continue
+        seen.add(o.numbers)
+        out.append(o)
+    return out
+
+
+def chain_dp(options: list[list[Option]], in_window: list[bool], start: float, budget: float | None):
+    """One option per segment of a chain (backward visits the segments in
+    reverse), by dynamic programming.  State: bytes kept by the segments so
+    far (S); an option fits when `S + its transient peak <= budget`, the
+    transient being the forward peak, and the backward one for segments with
+    a backward window.  The frontier keeps the Pareto-best states: (S, cost)
+    with a budget, (S, peak so far) without (the least peak).
+
+    Returns (chosen option index per segment, or None; the objective; the
+    frontier after each segment)."""
+    front = [(0.0, 0.0, -1, -1)]  # (S, cost or peak, parent, option)
+    steps = []
+    for opts, win in zip(options, in_window):
+        lims = [max(o.fwd_peak, o.bwd_peak) if win else o.fwd_peak for o in opts]
+        cand = []
+        for pi, (S, c, _, _) in enumerate(front):
+            for oi, o in enumerate(opts):
+                need = S + lims[oi]
+                if budget is None:
+                    cand.append((S + o.retained, max(c, need), pi, oi, o.cost))
+                elif need <= budget:
+                    cand.append((S + o.retained, c + o.cost, pi, oi, 0.0))
+        cand.sort(key=lambda t: (t[0], t[1], t[4], t[2], t[3]))
+        pruned, best = [], float("inf")
+        for t in cand:
+            if t[1] < best:
+                pruned.append(t[:4])
+                best = t[1]
+        if len(pruned) > 20000:  # keep the frontier small: thin it evenly
+            step = len(pruned) / 20000.0
+            pruned = [pruned[int(i * step)] for i in range(20000)] + [pruned[-1]]
+        front = pruned
+        steps.append(front)
+        if not front:
+            return None, None, steps
+    ok = [(max(t[1], start + t[0]) if budget is None else t[1], i) for i, t in enumerate(front)
+          if budget is None or start + t[0] <= budget]
+    if not ok:
+        return None, None, steps
+    val, i = min(ok)
+    chosen = [0] * len(options)
+    for k in range(len(options) - 1, -1, -1):
+        t = steps[k][i]
+        chosen[k] = t[3]
+        i = t[2]
+    return chosen, float(val), steps
+
+
 # ---------------------------------------------------------------- planner
 
 
@@ -161,55 +283,44 @@ class Plan:
 
 
 class Planner:
-    """Everything about one program and scope that solves can share."""
+    """Everything about one program and scope that solves can share.  A
+    caller that plans several budgets of one program (a sweep, the floor then
+    a budget) holds one Planner and passes it to `floor` and `optimize`."""
 
-    def __init__(self, program: Program, scope: str, *, solver: str = "HIGHS", log=None,
-                 decompose: bool | None = None, effort: str = "fast"):
-        if effort not in EFFORTS:
+    def __init__(self, program: Program, scope: str = "total", *, solver: str = "HIGHS",
+                 decompose: bool | None = None, effort: str | Settings = "fast", log=None):
+        if isinstance(effort, str) and effort not in EFFORTS:
             raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
+        self.settings = EFFORTS[effort] if isinstance(effort, str) else effort
         self.program = program
-        self.effort = effort
         self.scope = scope
         self.solver = solver.upper()
         self.log = log
         self.a = Analysis(program, scope)
-        self.solves: list[SolveRecord] = []
-        self.plans: dict[tuple, Plan] = {}
-        a = self.a
-        self.all_dec = a.decisions()
+        self.all_dec = self.a.decisions()
         # The step's cost in the plan's cost model (FLOPs, or profiled microseconds).
         self.base_cost = float(sum(node_cost(n, program.header.cost) for n in program.nodes))
-        self.requested = decompose
         self.auto = decompose is None  # decompose=True asks for the decomposed search alone
         if decompose is None:
             decompose = len(self.all_dec) > FLAT_MAX_DECISIONS
             if decompose:
-                segs, _ = segments(a)
+                segs, _ = segments(self.a)
                 decompose = sum(1 for s in segs if s.decisions) >= 2
         self.decompose = decompose
-        self.segs = None
+        self.solves: list[SolveRecord] = []
+        self.plans: dict[tuple, Plan] = {}
         self.flat_models: dict[str, object] = {}
+        self.class_models: dict[str, dict] = {}
         self.floor_plan: Plan | None = None
         self.floor_proven = False  # the flat MILP proved the floor optimal
         self.flat_floor_tried = False
         self.floor_mode = "flat"  # which search found the floor plan
-        self.key = _cache_key(program)
-        self.r_levels = 5
-        self.r_power = 1.5
-        self.pk_levels = 4
-        self.option_gap = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
-        self.options_seconds = 12.0  # at most this long for the first option sets (all classes)
-        self.p_levels = 1
-        # Peak-capped options per class (fit_options); 2^k + 1 spreads nest, so
-        # "full" tries every cap "fast" does.
-        self.fit_per_class = {"fast": 3, "full": 9}
-        self._dp_steps = None  # (segments, frontier after each) of the last chain DP
-        self.fallback_cap = 15.0  # seconds for each flat MILP beside the decomposed search (effort "fast")
-        self.densify_rounds = 3
-        self.combine_cap = 10.0  # seconds per combine MILP (non-chain graphs)
-        self.class_models: dict = {}
-        self.solve_cap = 1.0  # seconds per option MILP: options need not be optimal
-        self.last_window_whole = False  # the last refine_windows solved one window over every decision
+        self.last_window_whole = False  # the last refinement solved one window over every decision
+        self.last_frontier = None  # (segments, frontier after each) of the last chain DP
+        self.deadline = math.inf
+        self.time_limited = False  # the safety time limit stopped some search
+        self.segs = None  # the decomposition, once prepared
+        self.options_started = None
 
     def say(self, msg: str) -> None:
         if self.log:
@@ -220,6 +331,31 @@ class Planner:
         if self.program.header.cost == COST_PROFILE:
             return f"{cost / 1e3:.4g} ms"
         return f"{cost / 1e9:.4g} GFLOP"
+
+    # ---- the safety time limit
+
+    def start(self, time_limit: float) -> None:
+        self.deadline = time.perf_counter() + time_limit
+
+    def out_of_time(self, reserve: float = 0.0) -> bool:
+        """Whether the safety time limit is (about to be) reached; if so, the
+        result says the limit cut the search short."""
+        if time.perf_counter() + reserve < self.deadline:
+            return False
+        self.time_limited = True
+        return True
+
+    def _solve(self, compiled, name: str, *, nodes: int | None, cap: float | None = None, **kw):
+        """One MILP under its node limit and, with effort "fast", its cap in
+        seconds; the safety time limit stops it too (the result then says so)."""
+        left = max(self.deadline - time.perf_counter(), 0.05)
+        limit = min(left, cap if cap is not None else math.inf, 1e6)
+        kept, rec = compiled.solve(name, solver=self.solver, time_limit=limit, nodes=nodes,
+                                   log=self.log, **kw)
+        self.solves.append(rec)
+        if rec.seconds >= left * 0.98:
+            self.time_limited = True
+        return kept, rec
 
     # ---- evaluation
 
@@ -251,29 +387,26 @@ class Planner:
             self.flat_models[objective] = c
         return c
 
-    def flat_floor(self, deadline: float) -> Plan | None:
+    def flat_floor(self, nodes: int | None, cap: float | None = None) -> Plan | None:
         c = self._flat("peak")
         self.flat_floor_tried = True
-        kept, rec = c.solve("flat floor", solver=self.solver, time_limit=_left(deadline), log=self.log)
-        self.solves.append(rec)
+        kept, rec = self._solve(c, "flat floor", nodes=nodes, cap=cap)
         if kept is None:
             return None
         self.floor_proven = rec.status == "optimal"
         return self.evaluate(kept)
 
-    def flat_budget(self, budget: int, deadline: float) -> Plan | None:
+    def flat_budget(self, budget: int, nodes: int | None, cap: float | None = None) -> Plan | None:
         c = self._flat("cost")
         c.B.value = float(budget)
-        kept, rec = c.solve(f"flat budget {human_bytes(budget)}", solver=self.solver,
-                            time_limit=_left(deadline), log=self.log)
-        self.solves.append(rec)
+        kept, _ = self._solve(c, f"flat budget {human_bytes(budget)}", nodes=nodes, cap=cap)
         if kept is None:
             return None
         return self.evaluate(kept)
 
-    # ---- decomposed
+    # ---- decomposed: segments and their options
 
-    def prepare_segments(self, deadline: float) -> None:
+    def prepare_segments(self) -> None:
         if self.segs is not None:
             return
         a = self.a
@@ -291,52 +424,56 @@ class Planner:
         for s in segs:
             classes.setdefault(s.signature, []).append(s)
         self.classes = classes
+        self.chain = self.settings.combine == "auto" and self._is_chain()
         self.say(f"decomposition: {len(segs)} segments, {len(classes)} distinct, "
                  f"{len(fixed)} checkpoints forced, {len(self.all_dec)} decisions "
                  f"({time.perf_counter() - t0:.2f} s)")
         # Per class: Pareto options from the canonical instance.
-        self.options: dict[int, list[dict]] = {}
-        budget_t = _left(deadline) if self.effort == "full" else min(_left(deadline) * 0.5, self.options_seconds)
-        t_opts = time.perf_counter()
-        for ci, (sig, inst) in enumerate(classes.items()):
+        self.options: dict[int, list[Option]] = {}
+        self.options_started = time.perf_counter()
+        for inst in classes.values():
             canon = inst[0]
-            if not canon.decisions:
-                opts = [frozenset()]
-            else:
-                left_t = budget_t - (time.perf_counter() - t_opts)
-                n_left = sum(1 for ss in list(classes.values())[ci:] if ss[0].decisions)
-                share = max(left_t / max(n_left, 1), 0.5)
-                opts = self._class_options(canon, time.perf_counter() + share)
+            opts = self._class_options(canon) if canon.decisions else [frozenset()]
             self._evaluate_options(canon, inst, opts)
+        self.options_started = None
 
-    def _class_model(self, canon: Segment) -> dict:
+    def _is_chain(self) -> bool:
+        """Backward visits the segments in reverse forward order, so what the
+        others hold during a segment (forward or backward) is exactly what the
+        segments before it keep: the combine is a dynamic program."""
+        pos = {s.index: i for i, s in enumerate(self.segs)}
+        lo = {si: self.part[si][0] for si in self.part}
+        for si in lo:
+            after = {j for j in lo if lo[j] > lo[si]}
+            before = {j for j in lo if pos[j] < pos[si]}
+            if after != before:
+                return False
+        return True
+
+    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None,
+                     weight: float = 1.0):
+        """One MILP on a class's canonical segment; returns (kept, B value)."""
         cm = self.class_models.get(canon.signature)
         if cm is None:
             m = KeepModel(self.a, nodes=canon.nodes, storages=canon.storages, fixed=self.fixed,
                           mode="local", decisions=canon.decisions).build()
             cm = self.class_models[canon.signature] = {"model": m}
-        return cm
-
-    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None,
-                     time_limit: float = 1.0):
-        """One MILP on a class's canonical segment; returns (kept, rec, B value)."""
-        cm = self._class_model(canon)
         c = cm.get(objective)
         if c is None:
             c = cm[objective] = cm["model"].compile(objective, tie_retained=1e-3 if objective == "cost" else 0.0)
         if objective != "peak":
             c.B.value = float(B) if B is not None else 1e18
         c.Rcap.value = float(R) if R is not None else 1e18
-        kept, rec = c.solve(f"{canon.name} {label}", solver=self.solver, time_limit=time_limit,
-                            log=self.log, warm=True, rel_gap=self.option_gap)
-        self.solves.append(rec)
+        cap = self.settings.option_seconds
+        kept, _ = self._solve(c, f"{canon.name} {label}", nodes=self.settings.option_nodes, warm=True,
+                              rel_gap=self.settings.option_gap, cap=None if cap is None else cap * weight)
         bval = float(c.B.value) if (objective == "peak" and c.B.value is not None) else None
-        return kept, rec, bval
+        return kept, bval
 
-    def _class_options(self, canon: Segment, deadline: float) -> list[frozenset]:
+    def _class_options(self, canon: Segment) -> list[frozenset]:
         """Kept-decision sets of the canonical instance: a Pareto set over
         (bytes kept into backward, transient peak, recompute cost)."""
-        a = self.a
+        a, st = self.a, self.settings
         # Two plans need no solve: keep everything, recompute everything.
         opts: list[frozenset] = [frozenset(canon.decisions), frozenset()]
         others = set(self.all_dec) - set(canon.decisions)
@@ -344,56 +481,46 @@ class Planner:
         def retained(k):
             return profile(a, a.keep_of(others | set(k)), canon.storages, with_constants=False).retained
 
-        r_all = retained(canon.decisions)
-        r_levels = self.r_levels
-        pk_levels = self.pk_levels
-        left = [4 + r_levels + 2 * self.p_levels + pk_levels]
-
         def run(objective, label, B=None, R=None, weight=1.0):
-            if self.effort == "full":
-                tl = max(_left(deadline), 0.05)
-            else:
-                tl = min(max(weight * _left(deadline) / max(left[0], 1), 0.05), weight * self.solve_cap)
-            left[0] = max(left[0] - weight, 1)
-            kept, rec, bval = self._solve_class(canon, objective, label, B=B, R=R, time_limit=tl)
+            if self.out_of_time() or self._options_spent():
+                return None, None
+            kept, bval = self._solve_class(canon, objective, label, B=B, R=R, weight=weight)
             if kept is not None:
                 opts.append(frozenset(kept))
             return kept, bval
 
-        # The two extremes first, with more time: they decide the floor.
+        r_all = retained(canon.decisions)
+        # The two extremes first: they decide the floor.
         k_min, _ = run("retained", "min kept", weight=2.0)
         r_min = retained(k_min) if k_min is not None else r_all
         k_pk, p_min = run("peak", "min peak", weight=2.0)
         p_all = self._local_peak(canon, frozenset(canon.decisions))
         # Lower-transient options for the smallest kept sizes: the least
         # peak, then the cheapest plan at that peak.
-        levels = [r_min + (r_all - r_min) * (i / max(r_levels, 1)) ** self.r_power
-                  for i in range(max(r_levels, 1))]
-        for r in levels[:self.p_levels]:
-            if _left(deadline) <= 0:
-                break
+        levels = [r_min + (r_all - r_min) * (i / max(st.kept_levels, 1)) ** st.kept_power
+                  for i in range(max(st.kept_levels, 1))]
+        for r in levels[:st.low_peak_levels]:
             k, bval = run("peak", f"min peak kept<={human_bytes(r)}", R=r + 0.5)
             if k is None or bval is None:
                 continue
             pcap = bval * (1 + 1e-6) + 4096
             run("cost", f"peak<={human_bytes(pcap)} kept<={human_bytes(r)}", B=pcap, R=r + 0.5)
         # Then levels of kept size (peak free) and of transient peak (kept
-        # size free), interleaved so a short time limit samples both.
+        # size free).
         p_ok = k_pk is not None and p_min is not None and p_all > p_min + 1
-        for i in range(max(r_levels, pk_levels if p_ok else 0)):
-            if _left(deadline) <= 0:
-                break
-            if i < r_levels:
+        for i in range(max(st.kept_levels, st.peak_levels if p_ok else 0)):
+            if i < st.kept_levels:
                 run("cost", f"kept<={human_bytes(levels[i])}", R=levels[i] + 0.5)
-            if p_ok and i < pk_levels:
-                pcap = p_min + (p_all - p_min) * (i / pk_levels) ** 1.5
+            if p_ok and i < st.peak_levels:
+                pcap = p_min + (p_all - p_min) * (i / st.peak_levels) ** 1.5
                 run("cost", f"peak<={human_bytes(pcap)}", B=pcap * (1 + 1e-6) + 4096)
         return list(dict.fromkeys(opts))
 
-    def _option_limit(self, deadline: float) -> float:
-        if self.effort == "full":
-            return max(_left(deadline), 0.05)
-        return min(self.solve_cap, _left(deadline) / 4)
+    def _options_spent(self) -> bool:
+        """With effort "fast": the first option sets have used their time."""
+        cap = self.settings.options_seconds
+        return cap is not None and self.options_started is not None \
+            and time.perf_counter() - self.options_started > cap
 
     def _local_peak(self, canon: Segment, kept: frozenset) -> float:
         """The local peak of an option as the segment's MILP counts it."""
@@ -409,16 +536,16 @@ class Planner:
         ts = np.arange(f0, f1 + 1)
         return max(pb, float((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts]).max()))
 
-    def densify(self, choice: dict, deadline: float) -> bool:
+    def densify(self, choice: dict) -> bool:
         """Add options next to the ones the combine chose (kept sizes halfway
         to the neighbouring options).  Returns whether any option was added."""
         added = False
-        for sig, inst in self.classes.items():
+        for inst in self.classes.values():
             canon = inst[0]
-            if not canon.decisions or _left(deadline) <= 0.3:
+            if not canon.decisions:
                 continue
-            have = sorted({o["retained"] for o in self.options[canon.index]})
-            chosen = sorted({choice[s.index]["retained"] for s in inst if s.index in choice})
+            have = sorted({o.retained for o in self.options[canon.index]})
+            chosen = sorted({choice[s.index].retained for s in inst if s.index in choice})
             caps = set()
             for r in chosen:
                 i = have.index(r) if r in have else bisect_left(have, r)
@@ -428,10 +555,10 @@ class Planner:
                     caps.add((r + have[i + 1]) / 2)
             caps = {c for c in caps if not any(abs(c - h) < 1 for h in have)}
             solves = [(f"kept<={human_bytes(c)}", dict(R=c + 0.5)) for c in sorted(caps)]
-            added = self._add_options(canon, inst, solves, deadline, reserve=0.3) or added
+            added = self._add_options(canon, inst, solves) or added
         return added
 
-    def fit_options(self, budget: float, deadline: float) -> bool:
+    def fit_options(self, budget: float) -> bool:
         """Options cut to the room the chain leaves each segment.  The first
         option sets sample kept size and transient peak on fixed levels; the
         cheapest plan often pairs a segment's cheaper, larger-peak option
@@ -440,10 +567,10 @@ class Planner:
         class again with its peak capped at budget - S (a few such S per
         class, spread over the frontier).  Returns whether any option was
         added."""
-        if not self._is_chain() or self._dp_steps is None:
+        if not self.chain or self.last_frontier is None:
             return False
-        segs_dp, steps = self._dp_steps
-        per_class = self.fit_per_class[self.effort]
+        segs_dp, steps = self.last_frontier
+        per_class = self.settings.fit_per_class
         caps: dict[str, set] = {}
         for k, s in enumerate(segs_dp):
             if not s.decisions or k >= len(steps) + 1:
@@ -453,32 +580,29 @@ class Planner:
         added = False
         for sig, cs in caps.items():
             inst = self.classes[sig]
-            canon = inst[0]
             cs = sorted(cs)
             if len(cs) > per_class:
                 cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
             solves = [(f"peak<={human_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
-            added = self._add_options(canon, inst, solves, deadline, reserve=0.5) or added
+            added = self._add_options(inst[0], inst, solves) or added
         return added
 
-    def _add_options(self, canon: Segment, inst: list[Segment], solves: list[tuple[str, dict]],
-                     deadline: float, reserve: float) -> bool:
+    def _add_options(self, canon: Segment, inst: list[Segment], solves: list[tuple[str, dict]]) -> bool:
         """Solve the class MILP (least recompute) under each (label, caps) in
-        `solves` while more than `reserve` seconds remain, and add what it
-        finds to the class's options.  Returns whether the option sets grew."""
+        `solves`, and add what it finds to the class's options.  Returns
+        whether the option sets grew."""
         new = []
         for label, caps in solves:
-            if _left(deadline) <= reserve:
+            if self.out_of_time():
                 break
-            kept, _, _ = self._solve_class(canon, "cost", label, time_limit=self._option_limit(deadline),
-                                           **caps)
+            kept, _ = self._solve_class(canon, "cost", label, **caps)
             if kept is not None:
                 new.append(frozenset(kept))
         if not new:
             return False
-        before = {o["kept"] for s in inst for o in self.options[s.index]}
+        before = {o.kept for s in inst for o in self.options[s.index]}
         self._evaluate_options(canon, inst, new)
-        return {o["kept"] for s in inst for o in self.options[s.index]} != before
+        return {o.kept for s in inst for o in self.options[s.index]} != before
 
     def _evaluate_options(self, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
         a = self.a
@@ -487,7 +611,6 @@ class Planner:
             pr = profile(a, a.keep_of(others | set(o)), canon.storages, with_constants=False)
             for s in inst:
                 nmap = dict(zip(canon.nodes, s.nodes))
-                kept = frozenset(nmap[d] for d in o)
                 db = s.window[0] - canon.window[0]
                 df = s.nodes[0] - canon.nodes[0]
                 lo, hi = self.part.get(s.index, (s.window[0], s.window[1]))
@@ -504,49 +627,12 @@ class Planner:
                 f0, f1 = s.fwd_range
                 ts = np.arange(f0, f1 + 1)
                 pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts - df]).max())
-                self.options.setdefault(s.index, []).append(dict(
-                    kept=kept, retained=int(pr.retained), pf=pf, pb=pb, cost=pr.cost))
+                self.options.setdefault(s.index, []).append(Option(
+                    frozenset(nmap[d] for d in o), int(pr.retained), pf, pb, pr.cost))
         for s in inst:
-            # Drop dominated options.
-            ops = self.options[s.index]
-            uniq = {}
-            for o in ops:
-                uniq.setdefault(o["kept"], o)
-            ops = list(uniq.values())
-            keep = []
-            for o in ops:
-                dom = any(q is not o and q["retained"] <= o["retained"] and q["pf"] <= o["pf"]
-                          and q["pb"] <= o["pb"] and q["cost"] <= o["cost"]
-                          and (q["retained"], q["pf"], q["pb"], q["cost"]) !=
-                          (o["retained"], o["pf"], o["pb"], o["cost"]) for q in ops)
-                if not dom:
-                    keep.append(o)
-            # identical numbers: keep one
-            seen, final = set(), []
-            for o in keep:
-                k = (o["retained"], o["pf"], o["pb"], o["cost"])
-                if k not in seen:
-                    seen.add(k)
-                    final.append(o)
-            self.options[s.index] = final
+            self.options[s.index] = pareto_options(self.options[s.index])
 
-    def _is_chain(self) -> bool:
-        """Backward visits the segments in reverse forward order, so what the
-        others hold during a segment (forward or backward) is exactly what the
-        segments before it keep: the combine is a dynamic program."""
-        if hasattr(self, "_chain"):
-            return self._chain
-        pos = {s.index: i for i, s in enumerate(self.segs)}
-        lo = {si: self.part[si][0] for si in self.part}
-        ok = True
-        for si in lo:
-            after = {j for j in lo if lo[j] > lo[si]}
-            before = {j for j in lo if pos[j] < pos[si]}
-            if after != before:
-                ok = False
-                break
-        self._chain = ok
-        return ok
+    # ---- decomposed: combining options
 
     def _start_const(self) -> float:
         start = float(self.a.const_start)
@@ -554,186 +640,92 @@ class Planner:
             start = max(start, float(self.a.const_b[:self.first_window].max()))
         return start
 
-    def combine(self, budget: float | None, deadline: float, label: str):
+    def combine(self, budget: float | None, label: str):
         """Pick one option per segment.  budget None: minimize the modeled
         peak.  Returns (kept decision set, modeled peak, choice) or None."""
-        if self._is_chain():
-            return self.combine_dp(budget, label)
-        return self.combine_milp(budget, deadline, label)
-
-    def combine_dp(self, budget: float | None, label: str):
-        """Dynamic program along the chain.  State: bytes kept by the segments
-        so far (S); each segment's option must fit `S + max(forward,
-        backward transient) <= budget`.  The frontier keeps the Pareto-best
-        (S, cost) states (with a budget) or (S, peak so far) (floor)."""
-        t0 = time.perf_counter()
         segs = [s for s in self.segs if self.options.get(s.index)]
-        start = self._start_const()
-        front = [(0.0, 0.0, -1, -1)]  # (S, recompute cost or peak, parent, option)
-        steps = []
-        for s in segs:
-            opts = self.options[s.index]
-            lims = [max(o["pf"], o["pb"]) if s.index in self.part else o["pf"] for o in opts]
-            cand = []
-            for pi, st in enumerate(front):
-                S, c = st[0], st[1]
-                for oi, o in enumerate(opts):
-                    need = S + lims[oi]
-                    if budget is None:
-                        cand.append((S + o["retained"], max(c, need), pi, oi, o["cost"]))
-                    elif need <= budget:
-                        cand.append((S + o["retained"], c + o["cost"], pi, oi, 0.0))
-            cand.sort(key=lambda t: (t[0], t[1], t[4]))
-            pruned, best = [], float("inf")
-            for t in cand:
-                if t[1] < best:
-                    pruned.append(t)
-                    best = t[1]
-            if len(pruned) > 20000:  # keep the frontier small: thin it evenly
-                step = len(pruned) / 20000.0
-                pruned = [pruned[int(i * step)] for i in range(20000)] + [pruned[-1]]
-            front = pruned
-            steps.append(front)
-            if not front:
-                break
-        self._dp_steps = (segs, steps)
-        ok = [(max(t[1], start + t[0]) if budget is None else t[1], i) for i, t in enumerate(front)
-              if budget is None or start + t[0] <= budget]
-        rec = SolveRecord(f"combine {label} (chain DP)", "optimal" if ok else "infeasible", None, 0.0,
-                          time.perf_counter() - t0, sum(len(self.options[s.index]) for s in segs), 0,
-                          len(segs))
-        if not ok or not front:
-            rec.status = "infeasible"
+        if self.chain:
+            t0 = time.perf_counter()
+            chosen, val, steps = chain_dp([self.options[s.index] for s in segs],
+                                          [s.index in self.part for s in segs], self._start_const(), budget)
+            self.last_frontier = (segs, steps)
+            rec = SolveRecord(f"combine {label} (chain DP)", "infeasible" if chosen is None else "optimal",
+                              val, 0.0, time.perf_counter() - t0,
+                              sum(len(self.options[s.index]) for s in segs), 0, len(segs))
             self.solves.append(rec)
-            if self.log:
-                self.log(f"  {rec.name}: infeasible, {rec.seconds:.2f} s")
-            return None
-        val, i = min(ok)
-        rec.objective = float(val)
+            self.say(f"  {rec.name}: {rec.status}, {rec.seconds:.2f} s (frontier "
+                     f"{max((len(f) for f in steps), default=0)})")
+            if chosen is None:
+                return None
+        else:
+            chosen = self._combine_milp(segs, budget, label)
+            if chosen is None:
+                return None
+        choice = {s.index: self.options[s.index][k] for s, k in zip(segs, chosen)}
+        return self.kept_of(choice), self.modeled_peak(choice), choice
+
+    def _combine_milp(self, segs: list[Segment], budget: float | None, label: str):
+        """The combine for any window order: a small MILP over the options,
+        one memory row per segment's forward range and backward window."""
+        cols = [(s.index, k) for s in segs for k in range(len(self.options[s.index]))]
+        opt = [self.options[si][k] for si, k in cols]
+        R = np.array([o.retained for o in opt], dtype=float)
+        pos_f = {s.index: i for i, s in enumerate(segs)}
+        rows = []
+        for s in segs:
+            # forward range of s: its transient + what earlier segments keep
+            rows.append([o.fwd_peak if si == s.index else (o.retained if pos_f[si] < pos_f[s.index] else 0.0)
+                         for (si, _), o in zip(cols, opt)])
+            if s.index in self.part:
+                lo = self.part[s.index][0]
+                rows.append([o.bwd_peak if si == s.index else
+                             (o.retained if si in self.part and self.part[si][0] > lo else 0.0)
+                             for (si, _), o in zip(cols, opt)])
+        rows.append(list(R))
+        A = np.array(rows, dtype=float)
+        const = np.zeros(len(rows))
+        const[-1] = self._start_const()
+        groups = [[c for c, (si, _) in enumerate(cols) if si == s.index] for s in segs]
+        limit = max(self.deadline - time.perf_counter(), 0.05)
+        cap = self.settings.combine_seconds
+        picked, rec = pick_options(A, const, np.array([o.cost for o in opt]), groups, budget,
+                                   name=f"combine {label}", solver=self.solver,
+                                   time_limit=min(limit, cap if cap is not None else math.inf, 1e6),
+                                   nodes=self.settings.combine_nodes, log=self.log)
         self.solves.append(rec)
-        if self.log:
-            self.log(f"  {rec.name}: optimal, {rec.seconds:.2f} s (frontier {max(len(f) for f in steps)})")
-        choice = {}
-        for k in range(len(segs) - 1, -1, -1):
-            t = steps[k][i]
-            choice[segs[k].index] = self.options[segs[k].index][t[3]]
-            i = t[2]
-        modeled = self.modeled_peak(choice)
-        return self.kept_of(choice), modeled, choice
+        if rec.seconds >= limit * 0.98:
+            self.time_limited = True
+        if picked is None:
+            return None
+        by_seg = {cols[c][0]: cols[c][1] for c in picked}
+        return [by_seg[s.index] for s in segs]
 
     def modeled_peak(self, choice: dict) -> float:
         pos = {s.index: i for i, s in enumerate(self.segs)}
         lo = {si: self.part[si][0] for si in self.part}
-        peak = self._start_const() + sum(o["retained"] for o in choice.values())
+        peak = self._start_const() + sum(o.retained for o in choice.values())
         for si, o in choice.items():
-            before = sum(choice[j]["retained"] for j in choice if pos[j] < pos[si])
-            peak = max(peak, o["pf"] + before)
+            before = sum(choice[j].retained for j in choice if pos[j] < pos[si])
+            peak = max(peak, o.fwd_peak + before)
             if si in lo:
-                after = sum(choice[j]["retained"] for j in choice if j in lo and lo[j] > lo[si])
-                peak = max(peak, o["pb"] + after)
+                after = sum(choice[j].retained for j in choice if j in lo and lo[j] > lo[si])
+                peak = max(peak, o.bwd_peak + after)
         return float(peak)
-
-    def combine_milp(self, budget: float | None, deadline: float, label: str):
-        """Pick one option per segment with a small MILP (any window order)."""
-        segs = self.segs
-        idx = []  # (segment, option)
-        for s in segs:
-            for k, o in enumerate(self.options.get(s.index, [])):
-                idx.append((s.index, k))
-        n = len(idx)
-        col = {p: i for i, p in enumerate(idx)}
-        R = np.array([self.options[s][k]["retained"] for s, k in idx], dtype=float)
-        PF = np.array([self.options[s][k]["pf"] for s, k in idx], dtype=float)
-        PB = np.array([self.options[s][k]["pb"] for s, k in idx], dtype=float)
-        CO = np.array([self.options[s][k]["cost"] for s, k in idx], dtype=float)
-        rows, consts = [], []
-        order_f = [s.index for s in segs]
-        pos_f = {si: i for i, si in enumerate(order_f)}
-        for s in segs:
-            if s.index not in self.options:
-                continue
-            # forward range of s: its transient + what earlier segments keep
-            r = np.zeros(n)
-            for (si, k), c in col.items():
-                if si == s.index:
-                    r[c] = PF[c]
-                elif pos_f[si] < pos_f[s.index]:
-                    r[c] = R[c]
-            rows.append(r)
-            consts.append(0.0)
-            if s.index in self.part:
-                lo = self.part[s.index][0]
-                r = np.zeros(n)
-                for (si, k), c in col.items():
-                    if si == s.index:
-                        r[c] = PB[c]
-                    elif si in self.part and self.part[si][0] > lo:
-                        r[c] = R[c]
-                rows.append(r)
-                consts.append(0.0)
-        start = self._start_const()
-        rows.append(R.copy())
-        consts.append(start)
-        A = np.array(rows)
-        cst = np.array(consts)
-        scale = 1000.0 / max(float(np.abs(A).max()), 1.0)
-        z = cp.Variable(n, boolean=True)
-        cons = []
-        for s in segs:
-            cols = [col[(s.index, k)] for k in range(len(self.options.get(s.index, [])))]
-            if cols:
-                cons.append(cp.sum(z[cols]) == 1)
-        cosc = CO / max(CO.sum(), 1.0)
-        if budget is None:
-            B = cp.Variable()
-            cons.append((A * scale) @ z + cst * scale <= B)
-            obj = cp.Minimize(B + 1e-4 * (cosc @ z))
-        else:
-            cons.append((A * scale) @ z + cst * scale <= float(budget) * scale)
-            obj = cp.Minimize(cosc @ z)
-        prob = cp.Problem(obj, cons)
-        t0 = time.perf_counter()
-        status, gap = "error", None
-        try:
-            with quiet_stdout(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                prob.solve(solver=self.solver,
-                           **solver_options(self.solver, min(max(_left(deadline), 0.5), self.combine_cap)))
-            status = prob.status
-            gap = mip_gap(prob, self.solver)
-        except Exception as e:  # noqa: BLE001
-            status = f"error: {str(e)[:80]}"
-        rec = SolveRecord(f"combine {label}", status, None if prob.value is None else float(prob.value),
-                          gap, time.perf_counter() - t0, n, n, len(rows) + len(segs))
-        self.solves.append(rec)
-        if self.log:
-            g = "-" if gap is None else f"{gap:.2%}"
-            self.log(f"  MILP {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
-        if status not in ("optimal", "optimal_inaccurate", "user_limit") or z.value is None \
-                or not has_solution(prob, self.solver):
-            return None
-        zv = np.asarray(z.value)
-        if np.any(np.abs(zv - np.round(zv)) > 1e-4):
-            return None
-        modeled = float(((A @ np.round(zv)) + cst).max())
-        choice = {si: self.options[si][k] for (si, k), c in col.items() if zv[c] > 0.5}
-        return self.kept_of(choice), modeled, choice
 
     def kept_of(self, choice: dict) -> set[int]:
         kept = set(self.all_dec) - {d for s in self.segs for d in s.decisions}
         for o in choice.values():
-            kept |= set(o["kept"])
+            kept |= set(o.kept)
         return kept
 
-    def decomposed_budget(self, budget: int, deadline: float) -> Plan | None:
+    def decomposed_budget(self, budget: int) -> Plan | None:
         """The cheapest plan the combine finds that really fits (simulated),
-        improved with denser options around the chosen ones while time
-        remains."""
-        self.prepare_segments(deadline)
+        improved with denser options around the chosen ones."""
+        self.prepare_segments()
         target = float(budget)
         best = None
         for it in range(8):
-            got = self.combine(target, deadline, f"{human_bytes(budget)}" + (f" (try {it + 1})" if it else ""))
+            got = self.combine(target, f"{human_bytes(budget)}" + (f" (try {it + 1})" if it else ""))
             if got is None:
                 break
             kept, modeled, choice = got
@@ -745,15 +737,13 @@ class Planner:
                 break
             over = plan.peak - budget
             target = min(target - over, modeled - over) - 1
-            if _left(deadline) <= 0:
-                break
         if best is None:
             return None
         plan, choice, target = best
-        for rnd in range(self.densify_rounds):
-            if plan.cost <= 0 or _left(deadline) <= 1.0 or not self.densify(choice, deadline):
+        for _ in range(self.settings.densify_rounds):
+            if plan.cost <= 0 or self.out_of_time() or not self.densify(choice):
                 break
-            got = self.combine(target, deadline, f"{human_bytes(budget)} (denser options)")
+            got = self.combine(target, f"{human_bytes(budget)} (denser options)")
             if got is None:
                 break
             kept, modeled, ch2 = got
@@ -766,8 +756,8 @@ class Planner:
                     break  # diminishing returns
             else:
                 break
-        if plan.cost > 0 and _left(deadline) > 1.0 and self.fit_options(budget, deadline):
-            got = self.combine(target, deadline, f"{human_bytes(budget)} (options fitted to the room)")
+        if plan.cost > 0 and not self.out_of_time() and self.fit_options(budget):
+            got = self.combine(target, f"{human_bytes(budget)} (options fitted to the room)")
             if got is not None:
                 kept, modeled, ch2 = got
                 p2 = self.evaluate(kept)
@@ -775,24 +765,24 @@ class Planner:
                 if p2.peak <= budget and p2.cost < plan.cost:
                     plan, choice = p2, ch2
         if plan.cost > 0:
-            plan = self.refine_windows(plan, budget, deadline)
+            plan = self.refine_windows(plan, budget)
         return plan
 
-    def refine_windows(self, plan: Plan, budget: int, deadline: float) -> Plan:
+    def refine_windows(self, plan: Plan, budget: int) -> Plan:
         """Re-solve the decisions of two adjacent segments at a time with the
         exact (flat) memory model, every other decision held at `plan`'s,
         warm-started from `plan`: the segment models and the combine only
         approximate what segments cost each other.  Each window keeps the
-        cheaper plan that fits.  With effort "full" every window is solved;
-        with "fast" only a window that holds every decision (two segments:
-        one warm-started flat MILP), since on longer chains each window costs
-        seconds (gpt2-small: 1.5 s to build, 1-4 s to solve)."""
+        cheaper plan that fits.  With `all_windows` every window is solved;
+        otherwise only a window that holds every decision (two segments: one
+        warm-started flat MILP), since on longer chains each window costs
+        seconds."""
         self.last_window_whole = False
         segs = [s for s in self.segs if s.decisions]
-        if len(segs) < 2 or (self.effort == "fast" and len(segs) > 2):
+        if len(segs) < 2 or (not self.settings.all_windows and len(segs) > 2):
             return plan
         for i in range(len(segs) - 1):
-            if _left(deadline) <= 1.0 or plan.cost <= 0:
+            if plan.cost <= 0 or self.out_of_time():
                 break
             window = set(segs[i].decisions) | set(segs[i + 1].decisions)
             kept = {d for d in self.all_dec if plan.keep[d]}
@@ -802,24 +792,22 @@ class Planner:
             if c.y is None:
                 continue
             c.y.value = np.array([1.0 if d in kept else 0.0 for d in c.m.dec])
-            limit = _left(deadline) - 0.5 if self.effort == "full" else min(self.fallback_cap, _left(deadline) - 0.5)
-            got, rec = c.solve(f"window {segs[i].name}+{segs[i + 1].name}", solver=self.solver,
-                               time_limit=limit, warm=True, log=self.log)
-            self.solves.append(rec)
+            name = f"window {segs[i].name}+{segs[i + 1].name}"
+            got, _ = self._solve(c, name, nodes=self.settings.flat_nodes, warm=True,
+                                 cap=self.settings.flat_seconds)
             if got is None:
                 continue
             if len(segs) == 2:
                 self.last_window_whole = True  # that MILP was the flat one, warm-started
             p2 = self.evaluate(set(got) | {d for d, v in fixed.items() if v})
-            self.say(f"  window {segs[i].name}+{segs[i + 1].name}: simulated {human_bytes(p2.peak)}, "
-                     f"+{self.cost_text(p2.cost)}")
+            self.say(f"  {name}: simulated {human_bytes(p2.peak)}, +{self.cost_text(p2.cost)}")
             if p2.peak <= budget and p2.cost < plan.cost:
                 plan = p2
         return plan
 
-    def decomposed_floor(self, deadline: float) -> Plan | None:
-        self.prepare_segments(deadline)
-        got = self.combine(None, deadline, "min peak")
+    def decomposed_floor(self) -> Plan | None:
+        self.prepare_segments()
+        got = self.combine(None, "min peak")
         cands = []
         if got is not None:
             kept, modeled, _ = got
@@ -828,7 +816,7 @@ class Planner:
             # The model is approximate: try to close the gap with budgets just
             # below the first plan's simulated peak.
             if plan.peak > modeled:
-                p2 = self.decomposed_budget(int(modeled), deadline)
+                p2 = self.decomposed_budget(int(modeled))
                 if p2 is not None:
                     cands.append(p2)
         cands.append(self.keep_all())
@@ -837,57 +825,26 @@ class Planner:
 
     # ---- the floor
 
-    def _fallback_deadline(self, deadline: float) -> float:
-        # The flat MILP rarely proves these graphs optimal: with effort "fast"
-        # it gets a bounded share of the time, not all that is left.
-        if self.effort == "full":
-            return deadline
-        return min(deadline, time.perf_counter() + self.fallback_cap)
+    def flat_fallback(self) -> bool:
+        """Beside the decomposed search, also solve the flat MILP (few enough
+        decisions for it to find good plans)."""
+        return self.auto and self.decompose and len(self.all_dec) <= FLAT_FALLBACK_DECISIONS \
+            and not self.out_of_time(1.0)
 
-    def flat_fallback(self, deadline: float) -> bool:
-        return (self.auto and self.decompose and len(self.all_dec) <= FLAT_FALLBACK_DECISIONS
-                and _left(deadline) > 1.0)
-
-    def floor_plan_for(self, deadline: float) -> Plan:
+    def floor_plan_for(self) -> Plan:
         if self.floor_plan is None:
-            plan = None
             flat = None
             if not self.decompose:
-                plan = self.flat_floor(deadline)
+                plan = self.flat_floor(None)
             else:
-                plan = self.decomposed_floor(deadline)
-                if self.flat_fallback(deadline):
+                plan = self.decomposed_floor()
+                if self.flat_fallback():
                     self.say("  the flat MILP may go below the decomposed floor: trying it")
-                    flat = self.flat_floor(self._fallback_deadline(deadline))
+                    flat = self.flat_floor(self.settings.flat_nodes, cap=self.settings.flat_seconds)
             cands = [p for p in (plan, flat, self.keep_all(), self.evaluate(set())) if p is not None]
             self.floor_plan = min(cands, key=lambda p: (p.peak, p.cost))
             self.floor_mode = "flat" if (flat is self.floor_plan or not self.decompose) else "decomposed"
         return self.floor_plan
-
-
-def _left(deadline: float) -> float:
-    return deadline - time.perf_counter()
-
-
-_CACHE: list = []
-
-
-def _cache_key(program: Program) -> tuple:
-    h = program.header
-    return (len(program.values), len(program.nodes), len(program.outputs), h.optim_state_bytes)
-
-
-def _planner(program: Program, scope: str, solver: str, log, decompose, effort: str = "fast") -> Planner:
-    for pl in _CACHE:
-        if pl.program is program and pl.key == _cache_key(program) and pl.scope == scope \
-                and pl.solver == solver.upper() and pl.effort == effort \
-                and pl.requested == decompose:
-            pl.log = log
-            return pl
-    pl = Planner(program, scope, solver=solver, log=log, decompose=decompose, effort=effort)
-    _CACHE.append(pl)
-    del _CACHE[:-4]
-    return pl
 
 
 def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
@@ -912,39 +869,61 @@ def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
     where = profile(pl.a, floor_plan.keep, range(len(pl.a.storages))).where
     what = "activation peak" if scope == "activations" else "total peak"
     how = ""
-    if pl.decompose and not pl.flat_floor_tried:
+    if pl.time_limited:
+        how = " (the search was cut short by its time limit: raise --time-limit)"
+    elif pl.decompose and not pl.flat_floor_tried:
         how = " (decomposed search: block inputs kept as checkpoints)"
     elif not pl.floor_proven:
-        how = " (best found within the time limit)"
+        how = " (the best the search found; not proven the least)"
     msg = (f"budget {human_bytes(budget)} ({scope}) is below the floor: the smallest {what} this "
            f"graph allows is {human_bytes(f)} (at {where}){how}; asked {human_bytes(budget)}")
     return Infeasible(msg, f, budget, scope)
 
 
-def floor(program: Program, scope: str = "total", *, time_limit: float = 60.0, solver: str = "HIGHS",
-          log=None, decompose: bool | None = None, effort: str = "fast") -> int:
+def _planner_for(program: Program, scope: str, solver: str, log, decompose, effort,
+                 planner: Planner | None) -> Planner:
+    if planner is None:
+        return Planner(program, scope, solver=solver, log=log, decompose=decompose, effort=effort)
+    if planner.program is not program or planner.scope != scope:
+        raise ValueError("this planner was made for another program or scope")
+    planner.log = log if log is not None else planner.log
+    return planner
+
+
+def floor(program: Program, scope: str = "total", *, time_limit: float = DEFAULT_TIME_LIMIT,
+          solver: str = "HIGHS", log=None, decompose: bool | None = None, effort: str | Settings = "fast",
+          planner: Planner | None = None) -> int:
     """The smallest peak (in `scope`, max of first step and steady state) of
-    any plan this optimizer can produce for `program`."""
-    pl = _planner(program, scope, solver, log, decompose, effort)
-    return pl.floor_plan_for(time.perf_counter() + time_limit).peak
+    any plan this optimizer can produce for `program`.  Pass a `planner` to
+    reuse its work for later budgets."""
+    pl = _planner_for(program, scope, solver, log, decompose, effort, planner)
+    pl.start(time_limit)
+    return pl.floor_plan_for().peak
 
 
-def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_limit: float = 60.0,
-             solver: str = "HIGHS", log=None, decompose: bool | None = None,
-             effort: str = "fast") -> OptimizeResult:
+def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
+             time_limit: float = DEFAULT_TIME_LIMIT, solver: str = "HIGHS", log=None,
+             decompose: bool | None = None, effort: str | Settings = "fast",
+             planner: Planner | None = None) -> OptimizeResult:
     """A plan for `program` whose simulated peak in `scope` fits `budget_bytes`
-    (first step and steady state), with the least recompute cost found
-    within `time_limit` seconds.  Raises `Infeasible` below the floor.
-    `effort`: "fast" caps each per-block MILP at about a second; "full" solves
-    each to its gap tolerance, so the plan does not depend on machine speed."""
+    (first step and steady state), with the least recompute cost the search
+    finds.  Raises `Infeasible` below the floor.
+
+    The search's limits are counts (`effort`: "fast" or "full", see
+    `Settings`), so the plan depends only on the program, the budget and
+    the options.  `time_limit` is a safety stop: when it cuts the search
+    short, `OptimizeResult.time_limited` says so, and the plan may then
+    differ from run to run.  A `planner` (one per program and scope) shares
+    block options between budgets."""
     t0 = time.perf_counter()
-    deadline = t0 + time_limit
     budget = int(budget_bytes)
     solver = solver.upper()
     if solver not in installed_solvers():
         raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
                          f"{', '.join(installed_solvers())}")
-    pl = _planner(program, scope, solver, log, decompose, effort)
+    pl = _planner_for(program, scope, solver, log, decompose, effort, planner)
+    pl.start(time_limit)
+    pl.time_limited = False
     n_solves = len(pl.solves)
     pl.say(f"optimize {program.header.model or 'program'}: budget {human_bytes(budget)} ({scope}), "
            f"{pl.a.nf} forward / {pl.a.nb} backward nodes, {len(pl.all_dec)} decisions, "
@@ -956,23 +935,32 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
     else:
         mode = "decomposed" if pl.decompose else "flat"
         if pl.decompose:
-            plan = pl.decomposed_budget(budget, deadline)
-            if pl.flat_fallback(deadline) and not (plan is not None and pl.last_window_whole):
+            plan = pl.decomposed_budget(budget)
+            if pl.flat_fallback() and not (plan is not None and pl.last_window_whole):
                 # Few enough decisions for the exact flat MILP, which also
                 # weighs what the decomposition keeps at block boundaries and
                 # approximates between segments: the cheaper plan that fits
                 # wins.  (Skipped when the decomposed search's own refinement
                 # already was that MILP.)
                 pl.say("  small graph: trying the flat MILP too")
-                flat = pl.flat_budget(budget, pl._fallback_deadline(deadline))
+                flat = pl.flat_budget(budget, pl.settings.flat_nodes, cap=pl.settings.flat_seconds)
                 if flat is not None and flat.peak <= budget and (plan is None or flat.cost < plan.cost):
                     plan, mode = flat, "flat"
         else:
-            plan = pl.flat_budget(budget, deadline)
+            plan = pl.flat_budget(budget, None)
             if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
                 plan = None
         if plan is None:
-            fp = pl.floor_plan_for(max(deadline, time.perf_counter() + 5.0))
+            fp = pl.floor_plan_for()
+            if fp.peak > budget and not pl.settings.deterministic and pl.auto \
+                    and len(pl.all_dec) <= FLAT_FALLBACK_DECISIONS and not pl.out_of_time(1.0):
+                # A refusal must not depend on the machine's load: before
+                # saying no, solve the exact flat MILP without the caps.
+                pl.say("  no plan within the caps: the flat MILP, uncapped")
+                flat = pl.flat_budget(budget, None)
+                if flat is not None and flat.peak <= budget:
+                    fp = flat
+                    pl.floor_mode = "flat"
             if fp.peak > budget:
                 raise _infeasible(pl, budget, fp)
             plan, mode = fp, pl.floor_mode
@@ -983,4 +971,4 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *, time_
     return OptimizeResult(
         program=out, predicted_peak=int(plan.peak), extra_cost=float(plan.cost),
         base_cost=pl.base_cost, solves=list(pl.solves[n_solves:]), seconds=time.perf_counter() - t0,
-        budget=budget, scope=scope, mode=mode, recomputed=recomputed)
+        budget=budget, scope=scope, mode=mode, recomputed=recomputed, time_limited=pl.time_limited)
