@@ -1,5 +1,7 @@
 """remat-ir: rematerialization plans for PyTorch training, as files.
 
+    model = remat_ir.wrap(model, budget=0.6)   # plans at the first training step, cached on disk
+
     plan = remat_ir.compile(model, (x, y), budget="0.5", scope="activations")   # trace + optimize
     remat_ir.save_plan(plan, "plan.rir")
 
@@ -21,7 +23,8 @@ def __getattr__(name):
         from remat_ir.pipeline import compile
         return compile
     if name == "wrap":
-        from remat_ir.runtime.interpret import wrap
+        # A plan given runs without the optimizer; a budget plans on first use (remat_ir.adopt).
+        from remat_ir.adopt import wrap
         return wrap
     if name in ("load_plan", "save_plan"):
         from remat_ir.ir import files

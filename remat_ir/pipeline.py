@@ -5,17 +5,19 @@ are faces over it.
     plan = remat_ir.compile(model, (x, y), loss=loss_fn, budget="0.5", scope="activations")
     remat_ir.save_plan(plan, "plan.rir")
 
-The arguments follow `torch.export.export`: the module, then a tuple of
-positional inputs.  `loss(output, *inputs)`, when given, is part of the step.
+The arguments follow `torch.export.export`: the module, a tuple of
+positional inputs, a dict of keyword inputs.  Their tensors are the plan's
+inputs; None and other non-tensor arguments are constants of the plan.
+`loss(output, *args, **kwargs)`, when given, is part of the step.
 The stages, also callable one by one (one trace, several budgets):
 
-    trace(model, args, ...)      one training step -> a Program with a complete
+    trace(model, args, kwargs)   one training step -> a Program with a complete
                                  header: device (where the parameters and inputs
                                  live), optimizer state, comment; with
                                  cost="profile", each op timed on that device
     fit(program, budget, ...)    the plan for a budget, verified; without a
                                  budget the unoptimized plan, verified
-    compile(model, args, ...)    fit(trace(...), budget)
+    compile(model, args, kwargs) fit(trace(...), budget)
 
 A budget is bytes (int), a size ("1.5GiB", "800MB"), a fraction of the
 unoptimized peak in `scope` (0.5, "0.5", "50%"), or "floor" (the smallest peak
@@ -44,6 +46,9 @@ __all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "compil
            "trace"]
 
 SCOPES = ("total", "activations")
+# The optimizer's safety stop in seconds (its search is bounded by counts, not
+# time; see remat_ir.optimize.search.Settings).
+TIME_LIMIT = 300.0
 
 
 class BudgetError(ValueError):
@@ -97,15 +102,17 @@ def _check_optimizer_args(solver: str, effort: str) -> None:
         raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
 
 
-def trace(model, args=(), *, loss: Callable | None = None, name: str | None = None,
-          optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5,
-          stats: CompileStats | None = None) -> Program:
-    """One training step of `model` on `args`, traced into an unoptimized
+def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
+          name: str | None = None, optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
+          profile_repeats: int = 5, stats: CompileStats | None = None, device: str | None = None) -> Program:
+    """One training step of `model(*args, **kwargs)`, traced into an unoptimized
     Program whose header is complete (device, optimizer state, comment).
     `name` is the header's model name (default: the module's class name).
     With `fake`, nothing is allocated (FakeTensorMode).  With cost="profile",
     each op is timed on the model's device (`profile_repeats` runs, the
-    median) and the optimizer minimizes recomputed time instead of FLOPs."""
+    median) and the optimizer minimizes recomputed time instead of FLOPs.
+    `device`: the device type the plan is for (default: where the model's
+    parameters and inputs are); see `remat_ir.trace.tracer.trace_module`."""
     import torch
 
     from remat_ir.check.simulate import optimizer_state_bytes
@@ -132,33 +139,39 @@ def trace(model, args=(), *, loss: Callable | None = None, name: str | None = No
     name = type(model).__name__ if name is None else name
 
     with _Clock(stats, "trace"):
-        program = trace_module(model, args, loss_fn=loss, model_name=name, fake=fake)
+        program = trace_module(model, args, kwargs=kwargs, loss_fn=loss, model_name=name, fake=fake,
+                               device=device)
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
         program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it
         shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
-        program.header.comment = [f"remat-ir plan: {name} ({shape})"]
+        program.header.comment = [f"remat-ir plan: {name} ({shape})"] + program.header.comment
     if cost == COST_PROFILE:
         from remat_ir.runtime.profile import profile_costs
 
+        from remat_ir.trace.calls import split_call
+
         with _Clock(stats, "profile"):
-            program = profile_costs(program, model, args, repeats=profile_repeats)
+            program = profile_costs(program, model, split_call(model, args, kwargs).tensors,
+                                    repeats=profile_repeats)
         program.header.comment.append(f"op costs: median of {profile_repeats} timed runs on "
                                       f"{program.header.device}")
     return program
 
 
-def budget_bytes(program: Program, budget, scope: str = "total", *, time_limit: float = 60.0,
-                 solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None) -> int:
+def budget_bytes(program: Program, budget, scope: str = "total", *, time_limit: float = TIME_LIMIT,
+                 solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
+                 planner=None) -> int:
     """`budget` (see the module's docstring) in bytes, for `program` in
-    `scope`.  Raises BudgetError when it cannot be read."""
+    `scope`.  Raises BudgetError when it cannot be read.  `planner`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     with _Clock(stats, "budget"):
         if isinstance(budget, str) and budget.strip().lower() == "floor":
             from remat_ir.optimize.search import floor
 
-            nbytes = int(floor(program, scope, time_limit=time_limit, solver=solver, effort=effort))
+            nbytes = int(floor(program, scope, time_limit=time_limit, solver=solver, effort=effort,
+                               planner=planner))
         else:
             from remat_ir.optimize.search import resolve_budget
 
@@ -181,34 +194,44 @@ def _verified(program: Program, stats: CompileStats | None) -> Program:
     return program
 
 
-def fit(program: Program, budget=None, *, scope: str = "total", time_limit: float = 60.0,
-        solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None) -> Program:
+def fit(program: Program, budget=None, *, scope: str = "total", time_limit: float = TIME_LIMIT,
+        solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
+        planner=None) -> Program:
     """The plan for `program` (as `trace` returns it) whose predicted peak in
-    `scope` fits `budget`, with the least recompute found within `time_limit`
-    seconds per solve; verified.  Without a budget: `program` itself,
-    verified.  The same `program` object for several budgets reuses the
-    optimizer's analysis."""
+    `scope` fits `budget`, verified; without a budget, `program` itself,
+    verified.  `time_limit` is a safety stop: when it cuts the search short,
+    the plan's header says so.  To plan several budgets of one program, pass
+    the same `planner` (`remat_ir.optimize.search.Planner(program, scope)`):
+    the block options built for one budget serve the next."""
     if budget is None:
         return _verified(program, stats)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     _check_optimizer_args(solver, effort)
-    nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
-                          stats=stats)
-    from remat_ir.optimize.search import optimize
+    from remat_ir.optimize.search import Planner, optimize
 
+    if planner is None:
+        planner = Planner(program, scope, solver=solver, effort=effort)
+    nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
+                          stats=stats, planner=planner)
     with _Clock(stats, "optimize"):
-        result = optimize(program, nbytes, scope, time_limit=time_limit, solver=solver, effort=effort)
+        result = optimize(program, nbytes, scope, time_limit=time_limit, solver=solver, effort=effort,
+                          planner=planner)
     if stats is not None:
         stats.optimized = result
+    if result.time_limited:
+        result.program.header.comment.append(
+            f"the optimizer's time limit ({time_limit:g} s) cut its search short: this plan can "
+            "differ between runs; raise the time limit for a reproducible one")
     return _verified(result.program, stats)
 
 
-def compile(model, args=(), *, loss: Callable | None = None, name: str | None = None, budget=None,
-            scope: str = "total", optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
-            profile_repeats: int = 5, time_limit: float = 60.0, solver: str = "HIGHS", effort: str = "fast",
-            stats: CompileStats | None = None) -> Program:
-    """Trace one training step of `model` on `args` and plan it for `budget`
+def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
+            name: str | None = None, budget=None, scope: str = "total", optimizer: str = "none",
+            fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5, time_limit: float = TIME_LIMIT,
+            solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
+            device: str | None = None) -> Program:
+    """Trace one training step of `model(*args, **kwargs)` and plan it for `budget`
     (None: the unoptimized plan); the plan returned verifies.
 
     `optimizer` ("none", "sgd", "adam"): whose state the prediction and a
@@ -219,8 +242,8 @@ def compile(model, args=(), *, loss: Callable | None = None, name: str | None = 
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     if budget is not None:
         _check_optimizer_args(solver, effort)  # before the trace, which can take minutes
-    program = trace(model, args, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
-                    profile_repeats=profile_repeats, stats=stats)
+    program = trace(model, args, kwargs, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
+                    profile_repeats=profile_repeats, stats=stats, device=device)
     return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats)
 
 

@@ -350,7 +350,18 @@ def test_scan_sees_every_kind_of_import(modules):
     assert "remat_ir.trace.tracer" in fn_level  # check_parameters' import, inside a function
     assert any(i.target == "cvxpy" for i in modules["remat_ir.optimize.milp"].imports)
     lazy = {i.lazy: i.target for i in modules["remat_ir"].imports if i.lazy}
-    assert lazy["wrap"] == "remat_ir.runtime.interpret" and lazy["compile"] == "remat_ir.pipeline"
+    assert lazy["wrap"] == "remat_ir.adopt" and lazy["compile"] == "remat_ir.pipeline"
+
+
+def test_wrap_reaches_the_pipeline_only_when_it_plans(modules):
+    """`remat_ir.wrap` is `remat_ir.adopt.wrap`: given a plan it runs it with
+    the runtime alone; the pipeline (and with it the optimizer) is imported
+    only inside the functions that plan, at a budgeted wrapper's first step."""
+    adopt = modules["remat_ir.adopt"]
+    at_import = [i for i in adopt.imports if not i.in_function and under(i.target, PACKAGE)]
+    assert at_import and all(under_any(i.target, ("remat_ir.runtime", "remat_ir.ir")) for i in at_import), \
+        "\n".join(i.where() for i in at_import)
+    assert any(i.in_function and i.target == "remat_ir.pipeline" for i in adopt.imports)
 
 
 @pytest.mark.parametrize("rule", sorted({r.id for r in RULES}))

@@ -187,9 +187,9 @@ class _Checker:
                                            f"parameters, but the header says {h.optim_state_bytes} bytes; "
                                            f"write `optimizer {h.optim} {want} bytes`")
         if h.output_spec:
-            from torch.utils import _pytree as pytree
+            from remat_ir.ir.specs import load_treespec
             try:
-                spec = pytree.treespec_loads(h.output_spec)
+                spec = load_treespec(h.output_spec)
             except Exception as e:
                 self.err(loc("output_spec"), f"output_spec is not a serialized pytree treespec "
                                              f"(torch.utils._pytree.treespec_loads: {_first_line(e)}); "

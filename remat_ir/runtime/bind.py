@@ -77,22 +77,55 @@ def check_sound(program: Program) -> None:
         raise PlanMismatch(f"the plan is not sound: {shown}{more}; run remat-verify on it")
 
 
+def check_device(program: Program) -> None:
+    """Refuse a plan holding ops that cannot run on its device as eager would
+    there (CPU-only kernels, fusions proven on CPU only), naming them."""
+    from remat_ir.ir.ops import device_problems
+
+    bad = device_problems([n.op for n in program.nodes], program.header.device)
+    if bad:
+        raise PlanMismatch(f"the plan is for {program.header.device} but holds ops that run there differently "
+                           f"from eager or not at all: {', '.join(bad)}; trace it for {program.header.device}: "
+                           f"compile(..., device='{program.header.device}') on any machine, or remat-compile "
+                           f"--device {program.header.device} on one that has it")
+
+
+def check_autocast(program: Program, device: torch.device) -> None:
+    """Refuse a training step under an outer `torch.autocast`: the plan runs
+    the ops and dtypes it was traced with, and autocast would recast them in
+    forward only (backward then meets mismatched dtypes)."""
+    if torch.is_autocast_enabled(device.type):
+        raise PlanMismatch(
+            f"the step runs under torch.autocast({device.type!r}), which the plan was not traced under; "
+            "to train in mixed precision, trace under autocast: put `with torch.autocast(...)` inside the "
+            "model's forward (or a wrapper module's forward), compile the plan for that module, and call "
+            "the wrapped module without an outer autocast")
+
+
 def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     """Refuse a plan whose graph section this model no longer produces: the
     step is traced again under fake tensors, with inputs of the plan's
     shapes, dtypes and strides, and compared with the plan node by node."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    from remat_ir.trace.calls import CallError, call_from_names
+    from remat_ir.trace.rewrites import is_neutral
     from remat_ir.trace.tracer import TraceError, trace_module
 
     # A model built inside FakeTensorMode traces in its own mode.
     mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
     device = next((p.device for p in model.parameters()), torch.device(program.header.device))
     with mode or contextlib.nullcontext():
-        inputs = tuple(_blank(v, device) for v in program.values if v.kind == INPUT)
+        named = {v.source or v.name: _blank(v, device) for v in program.values if v.kind == INPUT}
+    try:
+        args, kwargs = call_from_names(model, named)
+    except CallError as e:
+        raise PlanMismatch(f"cannot check the model against the plan: {e}; for a model you know is "
+                           "unchanged, skip this check with wrap(..., check_model=False)") from e
     was_training = model.training
     try:
-        fresh = trace_module(model, inputs, loss_fn=loss_fn, model_name=program.header.model, fake=True)
+        fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, model_name=program.header.model,
+                             fake=True, neutral=is_neutral(program))
     except TraceError as e:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
     finally:

@@ -22,8 +22,12 @@ from torch.utils import _pytree as pytree
 from remat_ir import ir
 
 from remat_ir.ir import ops  # noqa: F401 - registers the remat.* ops that plans name
+from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
-from remat_ir.runtime.bind import PlanMismatch, check_graph, check_parameters, check_sound
+from remat_ir.runtime.bind import (
+    PlanMismatch, check_autocast, check_device, check_graph, check_parameters, check_sound,
+)
+from remat_ir.trace.calls import split_call
 
 
 # ------------------------------------------------------------------ codegen
@@ -242,53 +246,105 @@ class _Segment(torch.autograd.Function):
 # ------------------------------------------------------------------ wrapper
 
 
-class RematModule(torch.nn.Module):
-    """`model` run by a plan.  Training steps (train mode, grad enabled) follow
-    the plan; evaluation and `no_grad` calls run the model eagerly."""
+def eager_step(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict):
+    """What the step is without a plan: the model, then the loss if any."""
+    out = model(*args, **kwargs)
+    return loss_fn(out, *args, **kwargs) if loss_fn is not None else out
 
-    def __init__(self, model: torch.nn.Module, program: Program, loss_fn=None, check_model: bool = True):
-        super().__init__()
+
+def runs_plan(model: torch.nn.Module) -> bool:
+    """Whether a call of `model` is a training step, the plan's to run.  The
+    wrapped model's own mode decides (a wrapper's may differ from it when
+    the model was put in eval() on its own)."""
+    return model.training and torch.is_grad_enabled()
+
+
+class PlanRunner:
+    """A plan bound to a model: checked once, compiled once, run per step.
+
+    `check_plan=False` skips the verifier for a plan the pipeline has just
+    verified; `check_model=False` skips the retrace (see `wrap`)."""
+
+    def __init__(self, model: torch.nn.Module, program: Program, loss_fn=None, *, check_model: bool = True,
+                 check_plan: bool = True):
         check_parameters(model, program)
         if program.header.has_loss and loss_fn is None:
             raise PlanMismatch("this plan includes a loss function: pass it as wrap(model, plan, loss=fn)")
-        check_sound(program)
+        if check_plan:
+            check_sound(program)
+        check_device(program)
         if check_model:
             check_graph(model, program, loss_fn)
-        self.module = model
-        self.loss_fn = loss_fn
         self.program = program
-        self.exe = Executable(program)
-        self.output_spec = pytree.treespec_loads(program.header.output_spec) if program.header.output_spec else None
-        # Which parameters each backward piece produces gradients for.
-        self._seg_keys = [keys for _, keys in self.exe.segments]
+        self.loss_fn = loss_fn
+        self._build()
 
-    def forward(self, *inputs):
-        if not (self.training and torch.is_grad_enabled()):
-            out = self.module(*inputs)
-            return self.loss_fn(out, *inputs) if self.loss_fn is not None else out
+    def _build(self) -> None:
+        program = self.program
+        self.exe = exe = Executable(program)
+        spec = program.header.output_spec
+        self.output_spec = load_treespec(spec) if spec else None
+        # Which parameters each backward piece produces gradients for.
+        self.seg_keys = [keys for _, keys in exe.segments]
+        self.input_names = [v.source or v.name for v in exe.inputs]
+        self.param_types = [(v, getattr(torch, v.dtype), torch.Size(v.shape)) for v in exe.params]
+
+    # The compiled code is generated Python, which pickle cannot hold: a
+    # pickled runner keeps the plan and compiles it again when loaded.
+    def __getstate__(self):
+        return {"program": self.program, "loss_fn": self.loss_fn}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._build()
+
+    def accepts(self, call) -> str:
+        """Why `call` (a `remat_ir.trace.calls.Call`) cannot run this plan, or ""."""
+        got = dict(zip(call.names, call.tensors))
+        if sorted(got) != sorted(self.input_names):
+            missing = [n for n in self.input_names if n not in got]
+            extra = [n for n in call.names if n not in self.input_names]
+            what = ([f"no tensor for {', '.join(missing)} (None or not given)"] if missing else []) + (
+                [f"a tensor for {', '.join(extra)}, which the plan was made without (None or not given)"]
+                if extra else [])
+            return (f"the plan takes the tensors {', '.join(self.input_names) or '(none)'}; this call passes "
+                    + " and ".join(what))
+        for v, name in zip(self.exe.inputs, self.input_names):
+            x = got[name]
+            if list(x.shape) != v.shape or str(x.dtype) != "torch." + v.dtype:
+                return (f"input {name}: the plan was compiled for {v.dtype}{v.shape}, got "
+                        f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
+        return ""
+
+    def run(self, model: torch.nn.Module, call):
+        """One training step of `model` on `call`, by the plan."""
         exe = self.exe
-        if len(inputs) != len(exe.inputs):
-            raise PlanMismatch(f"the plan takes {len(exe.inputs)} inputs "
-                               f"({', '.join(v.name for v in exe.inputs)}); got {len(inputs)}")
-        for v, x in zip(exe.inputs, inputs):
-            if not isinstance(x, torch.Tensor) or list(x.shape) != v.shape or str(x.dtype) != "torch." + v.dtype:
-                got = f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise PlanMismatch(f"input {v.name}: the plan was compiled for {v.dtype}{v.shape}, got {got}; "
-                                   "recompile the plan for these shapes")
-        device = inputs[0].device if inputs else next(self.module.parameters()).device
+        by_name = {}
+        for v, dtype, shape in self.param_types:
+            p = model.get_parameter(v.source)
+            if p.dtype != dtype or p.shape != shape:
+                # After wrapping, e.g. `.double()` or `.half()`: the plan's ops would meet
+                # tensors of other dtypes deep in generated code.
+                raise PlanMismatch(f"parameter {v.source} is {str(p.dtype).removeprefix('torch.')}"
+                                   f"{list(p.shape)} but the plan was compiled for {v.dtype}{v.shape}; "
+                                   "convert the model before wrapping it, or compile a plan for it as it is now")
+            by_name[v.name] = p
+        problem = self.accepts(call)
+        if problem:
+            raise PlanMismatch(f"{problem}; compile a plan for this call")
+        got = dict(zip(call.names, call.tensors))
+        device = call.tensors[0].device if call.tensors else next(model.parameters()).device
         want = self.program.header.device
         if torch.device(want).type != device.type:
             raise PlanMismatch(f"the plan was compiled for device {want}, but the step runs on {device}; "
                                f"recompile with --device {device.type}")
+        check_autocast(self.program, device)
+        for v in exe.buffers:
+            by_name[v.name] = model.get_buffer(v.source)
+        for v, name in zip(exe.inputs, self.input_names):
+            by_name[v.name] = got[name]
         state = _State(exe, device)
         env = state.env
-        by_name = {}
-        for v in exe.params:
-            by_name[v.name] = self.module.get_parameter(v.source)
-        for v in exe.buffers:
-            by_name[v.name] = self.module.get_buffer(v.source)
-        for v, x in zip(exe.inputs, inputs):
-            by_name[v.name] = x
         # Graph inputs enter the environment detached: autograd sees them only
         # through the pieces below.
         for name, t in by_name.items():
@@ -297,12 +353,106 @@ class RematModule(torch.nn.Module):
         # in backward even when it yields no gradient.
         token = torch.empty(0, device=device, requires_grad=True)
         for k in reversed(range(len(exe.segments))):
-            leaves = [by_name[key] for key in self._seg_keys[k]]
+            leaves = [by_name[key] for key in self.seg_keys[k]]
             token = _Segment.apply(state, k, token, *leaves)
         outs = _Head.apply(state, token)
         if self.output_spec is not None:
             return pytree.tree_unflatten(list(outs), self.output_spec)
         return outs[0] if len(outs) == 1 else outs
+
+
+class WrappedModule(torch.nn.Module):
+    """What every wrapper of a model shares: training steps (the model in
+    train mode, grad enabled) go to `step`, other calls run the model
+    eagerly; `forward` shows the model's own signature (so tools that read
+    it, like transformers' Trainer, see the model's arguments); attributes
+    the wrapper lacks are the model's (`wrapper.config`); and it pickles and
+    deep-copies without its compiled code, which is made again from the plan."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn=None):
+        super().__init__()
+        self.module = model
+        self.loss_fn = loss_fn
+        _show_signature(self)
+
+    def step(self, call):
+        raise NotImplementedError
+
+    def forward(self, *args, **kwargs):
+        if not runs_plan(self.module):
+            return eager_step(self.module, self.loss_fn, args, kwargs)
+        return self.step(split_call(self.module, args, kwargs))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("__"):
+                raise
+            return getattr(inner, name)
+
+    def __getstate__(self):
+        import pickle
+
+        try:
+            pickle.dumps(self.loss_fn)
+        except Exception as e:  # noqa: BLE001 - whatever pickle says, say what to save instead
+            raise TypeError(f"cannot pickle the wrapped model: its loss function {self.loss_fn!r} cannot be "
+                            f"pickled ({e}); save the model itself (wrapper.module, or its state_dict()) and "
+                            "wrap it again after loading") from None
+        state = self.__dict__.copy()
+        state.pop("forward", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _show_signature(self)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "forward"})
+        return new
+
+
+def _show_signature(wrapper: WrappedModule) -> None:
+    """Give `wrapper.forward` the wrapped model's signature.  Per instance,
+    so it is a function in the instance's dict (not pickled: see above)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(wrapper.module.forward)
+    except (TypeError, ValueError):
+        return
+    cls_forward = type(wrapper).forward
+
+    def forward(*args, **kwargs):
+        return cls_forward(wrapper, *args, **kwargs)
+
+    forward.__signature__ = sig
+    forward.__doc__ = cls_forward.__doc__
+    wrapper.__dict__["forward"] = forward
+
+
+class RematModule(WrappedModule):
+    """`model` run by a plan.  Training steps (the model in train mode, grad
+    enabled) follow the plan; evaluation and `no_grad` calls run the model
+    eagerly.  Positional and keyword arguments are taken as the model takes
+    them, and the model's output structure (a tuple, a dict, a transformers
+    ModelOutput) comes back."""
+
+    def __init__(self, model: torch.nn.Module, program: Program, loss_fn=None, check_model: bool = True,
+                 *, check_plan: bool = True):
+        runner = PlanRunner(model, program, loss_fn, check_model=check_model, check_plan=check_plan)
+        super().__init__(model, loss_fn)
+        self.runner = runner
+        self.program = program
+
+    def step(self, call):
+        return self.runner.run(self.module, call)
 
 
 def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bool = True) -> RematModule:
@@ -311,5 +461,7 @@ def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bo
     Refuses (PlanMismatch) a plan made for other parameters, an unsound plan,
     and, unless `check_model=False`, a plan whose graph the model no longer
     produces (the step is traced again under fake tensors: see
-    `remat_ir.runtime.bind`)."""
+    `remat_ir.runtime.bind`).  At each training step it refuses a call whose
+    tensors are not the plan's (other names, shapes or dtypes, a tensor where
+    the plan had None) and a model whose parameters changed dtype since."""
     return RematModule(model, program, loss, check_model)

@@ -9,7 +9,6 @@ GPT-2 medium step is planned in seconds on a laptop.
 """
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Any, Callable
 
@@ -28,7 +27,7 @@ from remat_ir.ir import (
 )
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.schedule import default_schedule
-from remat_ir.trace.rewrites import rewrite
+from remat_ir.trace.rewrites import NEUTRAL_NOTE, canonical_device, device_neutral, retarget, rewrite
 
 
 class TraceError(ValueError):
@@ -40,21 +39,35 @@ class TraceError(ValueError):
 _UNSUPPORTED = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
 
 
-def trace_module(module: torch.nn.Module, example_inputs: tuple, *, loss_fn: Callable | None = None,
-                 model_name: str = "", fake: bool = False) -> Program:
-    """Trace one training step of `module` on `example_inputs`.
+def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs: dict | None = None,
+                 loss_fn: Callable | None = None, model_name: str = "", fake: bool = False,
+                 device: str | None = None, fuse: bool = True, neutral: bool | None = None) -> Program:
+    """Trace one training step of `module(*example_inputs, **kwargs)`.
 
-    `loss_fn(output, *inputs)`, when given, is traced as part of the step and
-    its result is the forward result.  The module is traced in training mode.
+    The call's tensors are the plan's inputs, named after the forward's
+    parameters; its other arguments (None, flags) are constants of the plan
+    (see `remat_ir.trace.calls`).  `loss_fn(output, *args, **kwargs)`, when
+    given, is traced as part of the step and its result is the forward
+    result.  The module is traced in training mode.
+
+    `device` is the device type the plan is for (default: where the
+    parameters and inputs are); the step is traced as it runs there, with
+    the fusions proven there (none when not `fuse`: eager's own ops).  For
+    CUDA without a CUDA build of torch the trace is device-neutral (see
+    `remat_ir.trace.rewrites.device_neutral`) and its header says so;
+    `neutral=True` traces so on any build (to compare with such a plan).
     """
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
-    example_inputs = tuple(example_inputs)
+    from remat_ir.trace.calls import CallError, split_call
+
+    try:
+        call = split_call(module, example_inputs, kwargs)
+    except CallError as e:
+        raise TraceError(str(e)) from None
     was_training = module.training
     module.train()
     try:
         with torch.random.fork_rng(devices=[]):
-            return _trace(module, example_inputs, loss_fn, model_name, fake)
+            return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral)
     finally:
         module.train(was_training)
 
@@ -80,24 +93,11 @@ def model_buffers(module: torch.nn.Module):
     return [tuple(x) for x in seen.values()]
 
 
-def input_names(module: torch.nn.Module, n: int) -> list[str]:
-    try:
-        sig = inspect.signature(module.forward)
-        names = [p.name for p in sig.parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        names = []
-    names = names[:n]
-    return names + [f"input{i}" for i in range(len(names), n)]
-
-
-def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
+def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neutral=None) -> Program:
     params = model_params(module)
     buffers = model_buffers(module)
-    for _, x in [(None, t) for t in inputs]:
-        if not isinstance(x, torch.Tensor):
-            raise TraceError(f"example inputs must be tensors; got {type(x).__name__}")
-    in_names = input_names(module, len(inputs))
+    inputs = call.tensors
+    in_names = call.names
     trainable = [i for i, (_, p, _) in enumerate(params) if p.requires_grad]
     grad_inputs = [i for i, x in enumerate(inputs) if x.requires_grad]
 
@@ -107,11 +107,16 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
     if not fake and existing is None and any(t.is_meta for _, t, _ in params):
         raise TraceError("the model's parameters are on the meta device; build it inside FakeTensorMode instead")
 
+    # Fake tensors on CUDA need a CUDA build; without one a CUDA plan is
+    # traced on CPU, device-neutral.
+    target = torch.device(device).type if device else _device_of(params, buffers, inputs)
+    on_cpu = target == "cuda" and not torch.cuda.is_available()
+    neutral = on_cpu if neutral is None else neutral or on_cpu
+    move = None if on_cpu else canonical_device(target)
+
     def fakeify(t):
-        if isinstance(t, FakeTensor):
-            return t
-        f = mode.from_tensor(t)
-        return f
+        f = t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+        return f.to(move) if move and f.device.type != target else f
 
     with mode:
         f_params = [fakeify(p).detach().requires_grad_(p.requires_grad) for _, p, _ in params]
@@ -124,10 +129,12 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
     def run(ps, bs, xs):
         state = dict(zip(names, ps))
         state.update(zip(bnames, bs))
-        out = torch.func.functional_call(module, state, tuple(xs), tie_weights=True, strict=False)
-        if loss_fn is not None:
-            out = loss_fn(out, *xs)
-        return out
+        args, kwargs = call.rebuild(xs)
+        with device_neutral(neutral):
+            out = torch.func.functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+            if loss_fn is not None:
+                out = loss_fn(out, *args, **kwargs)
+        return _without_caches(out)
 
     # A first pass to learn the forward results' structure and shapes.
     try:
@@ -176,9 +183,25 @@ def _trace(module, inputs, loss_fn, model_name, fake) -> Program:
         for h in hooks:
             h.remove()
 
-    rewrite(gm)
-    return _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
-                       loss_fn is not None, model_name)
+    rewrite(gm, target, fuse and not neutral)  # a neutral trace holds no device's fusions
+    program = _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
+                          loss_fn is not None, model_name)
+    if neutral:
+        program.header.comment.append(NEUTRAL_NOTE)
+        retarget(program, target)
+    return program
+
+
+def _without_caches(out):
+    """`out` with generation caches (a transformers `Cache` a causal LM
+    returns by default) set to None: a training step has no use for them,
+    and keeping one would keep every layer's keys and values alive."""
+    def drop(x):
+        cache = any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers")
+                    for c in type(x).__mro__)
+        return None if cache else x
+
+    return pytree.tree_map(drop, out)
 
 
 def describe_result(out) -> str:
@@ -578,6 +601,4 @@ def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *
     from remat_ir.runtime.load import load_model
 
     m = load_model(name, batch=batch, seq=seq, device=device, fake=fake)
-    program = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name, fake=fake)
-    program.header.device = device
-    return program
+    return trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name, fake=fake, device=device)

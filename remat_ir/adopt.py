@@ -1,0 +1,216 @@
+"""`remat_ir.wrap`: one line in a training loop.
+
+    model = remat_ir.wrap(model, budget=0.6)      # plans at the first training step
+    model = remat_ir.wrap(model, plan)            # runs a plan made beforehand
+
+With a budget (and no plan), the wrapper plans a training step the first
+time it is called in training mode, from that call's own arguments: it traces
+the step (under fake tensors: nothing is allocated), looks the plan up in the
+plan cache, and only on a miss runs the optimizer and stores the plan there.
+A call with other shapes (a smaller last batch, another sequence length) or
+other arguments gets a plan of its own the same way; the last `max_plans`
+are kept in memory.
+
+The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
+`remat-ir` under the user's cache directory (`$XDG_CACHE_HOME` or
+`~/.cache`).  A plan's file name is a hash of the traced step's fingerprint
+(the model's parameters, graph, input shapes and dtypes, output structure,
+loss), the planning options (budget, scope, optimizer, cost model, solver,
+effort, time limit) and the versions of torch and remat-ir, so a changed
+model, input or option never meets a stale plan.  Files are written
+atomically; a cached plan is verified again before it runs, and one that
+does not verify is planned afresh.
+
+Planning imports the optimizer (cvxpy) lazily; running a plan given
+explicitly does not.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from remat_ir.runtime.interpret import PlanRunner, WrappedModule
+
+__all__ = ["AutoRemat", "cache_dir", "wrap"]
+
+_PROGRESS_AFTER_S = 2.0
+
+
+def cache_dir() -> Path:
+    """Where plans are cached: $REMAT_IR_CACHE, else remat-ir in the user's cache directory."""
+    if os.environ.get("REMAT_IR_CACHE"):
+        return Path(os.environ["REMAT_IR_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "remat-ir"
+
+
+def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = "activations",
+         optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 60.0,
+         solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True):
+    """`model`, whose training steps run by a remat-ir plan.
+
+    With `plan` (a Program or a `.rir` path): that plan, as
+    `remat_ir.runtime.interpret.wrap` runs it (`check_model` as there).
+
+    Without: plans made at the first training-mode call of each call
+    signature, for `budget` (bytes, "1.5GiB", a fraction such as 0.6 of the
+    unoptimized peak in `scope`, or "floor"; None: the unoptimized plan) in
+    `scope` ("activations" by default: what the step adds on top of
+    parameters, gradients and optimizer state; or "total").  `optimizer`,
+    `cost`, `effort` (None: compile's default), `time_limit` and `solver`
+    are `remat_ir.compile`'s.  `cache=False` keeps plans off disk.  `loss(output, *args,
+    **kwargs)`, when given, is part of the step.  Planning errors
+    (an infeasible budget, a model that cannot be traced) are raised at that
+    first call."""
+    if plan is not None:
+        if budget is not None:
+            raise ValueError("give wrap() a plan or a budget, not both: the plan already fits its budget")
+        if isinstance(plan, (str, os.PathLike)):
+            from remat_ir.ir.files import load_plan
+
+            plan = load_plan(plan)
+        from remat_ir.runtime.interpret import wrap as wrap_plan
+
+        return wrap_plan(model, plan, loss, check_model=check_model)
+    return AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
+                     time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans)
+
+
+class AutoRemat(WrappedModule):
+    """`model` with a plan per call signature, made on first use (see the
+    module's docstring).  `plans` holds the ones in memory, most recent last."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = "activations",
+                 optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 60.0,
+                 solver: str = "HIGHS", cache: bool = True, max_plans: int = 8):
+        from remat_ir import pipeline
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"wrap() takes a torch.nn.Module, not {type(model).__name__}")
+        # Typos fail here, not at the first step.
+        if scope not in pipeline.SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(pipeline.SCOPES)}, not {scope!r}")
+        if max_plans < 1:
+            raise ValueError(f"max_plans must be at least 1, not {max_plans}")
+        super().__init__(model, loss_fn)
+        self.options = dict(budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
+                            time_limit=time_limit, solver=solver)
+        self.cache_plans = cache
+        self.max_plans = max_plans
+        self.plans: OrderedDict[str, PlanRunner] = OrderedDict()
+
+    def step(self, call):
+        key = call.structure()
+        runner = self.plans.get(key)
+        if runner is None:
+            runner = self._plan(call)
+            self.plans[key] = runner
+            while len(self.plans) > self.max_plans:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        return runner.run(self.module, call)
+
+    def _plan(self, call) -> PlanRunner:
+        from remat_ir import pipeline
+
+        o = self.options
+        what = ", ".join(f"{n} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                         for n, t in zip(call.names, call.tensors))
+        budget = "no budget" if o["budget"] is None else f"budget {o['budget']} ({o['scope']})"
+        with _Progress(f"remat-ir: planning {type(self.module).__name__} for {what or 'no tensors'}, "
+                       f"{budget}") as progress:
+            args, kwargs = call.rebuild(call.tensors)
+            program = pipeline.trace(self.module, args, kwargs, loss=self.loss_fn, optimizer=o["optimizer"],
+                                     cost=o["cost"])
+            path = cached = None
+            if self.cache_plans:
+                path = cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
+                cached = _load_cached(path, program.header.fingerprint)
+            if cached is not None:
+                # The fingerprint matched the step just traced, so no retrace; verified again
+                # (a file on disk can have been edited).
+                try:
+                    runner = PlanRunner(self.module, cached, self.loss_fn, check_model=False)
+                    progress.note = f" (the plan cached in {path})"
+                    return runner
+                except ValueError as e:
+                    print(f"remat-ir: ignoring the cached plan {path}: {e}", file=sys.stderr)
+            effort = {} if o["effort"] is None else {"effort": o["effort"]}
+            plan = pipeline.fit(program, o["budget"], scope=o["scope"], time_limit=o["time_limit"],
+                                solver=o["solver"], **effort)
+            if path is not None:
+                _store(path, plan)
+            return PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
+
+    def _key(self, program) -> str:
+        import remat_ir
+
+        o = self.options
+        facts = {"fingerprint": program.header.fingerprint, "torch": torch.__version__,
+                 "remat_ir": remat_ir.__version__, **{k: repr(v) for k, v in sorted(o.items())}}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _load_cached(path: Path, fingerprint: str):
+    """The plan at `path` if there is one made for `fingerprint`, else None."""
+    from remat_ir.ir.files import load_plan
+
+    if not path.is_file():
+        return None
+    try:
+        plan = load_plan(path)
+    except (OSError, ValueError) as e:
+        print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
+        return None
+    return plan if plan.header.fingerprint == fingerprint else None
+
+
+def _store(path: Path, plan) -> None:
+    from remat_ir.ir.files import save_plan
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_plan(plan, path)
+    except OSError as e:
+        # The step still runs; only the next process plans again.
+        print(f"remat-ir: cannot cache the plan in {path.parent} ({e}); set REMAT_IR_CACHE to a "
+              "writable directory", file=sys.stderr)
+
+
+class _Progress:
+    """Says on stderr what is being planned when it takes more than a moment,
+    and how long it took."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self.note = ""
+        self.shown = False
+
+    def _show(self):
+        self.shown = True
+        print(f"{self.message} ...", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.timer = threading.Timer(_PROGRESS_AFTER_S, self._show)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.timer.cancel()
+        self.timer.join()
+        if self.shown:
+            done = "failed" if exc_type is not None else "done"
+            print(f"remat-ir: {done} in {time.perf_counter() - self.t0:.1f} s{self.note}", file=sys.stderr,
+                  flush=True)
+        return False

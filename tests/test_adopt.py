@@ -1,0 +1,210 @@
+"""One line in a training loop: `remat_ir.wrap(model, budget=...)`.
+
+A transformers causal LM called with keyword arguments trains as eager
+(bitwise, dropout on), a batch of another size gets its own plan, a second
+process finds the plan in the cache without running the optimizer, a
+compiled plan file verifies and trains, and transformers' Trainer trains the
+wrapped model as it trains the model itself.  The wrapper's manners (dtype
+changes, eval mode, pickling, None arguments) are checked on a small module.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import remat_ir
+from remat_ir.runtime.bind import PlanMismatch
+
+ROOT = Path(__file__).resolve().parent.parent
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("trainer_gpt2", ROOT / "examples" / "trainer_gpt2.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _batch(n: int, seq: int, seed: int):
+    ids = torch.randint(0, 256, (n, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _train(model, batches, seed: int = 0):
+    """AdamW steps on keyword batches; the outputs of the last step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = None
+    for i, b in enumerate(batches):
+        torch.manual_seed(seed + i)  # the same dropout masks for eager and wrapped
+        out = model(**b)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# A script for a fresh process: the first training step with a cached plan.
+_SECOND_RUN = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch, remat_ir
+sys.path.insert(0, {tests!r})
+from test_adopt import _batch, _example, _train
+model = remat_ir.wrap(_example().build_model(), budget=0.6)
+_train(model, [_batch(2, 32, 0)])
+print(json.dumps({{"first_step_s": time.perf_counter() - t0,
+                   "optimizer_imported": "remat_ir.optimize" in sys.modules}}))
+"""
+
+
+def test_budget_wrap_trains_a_causal_lm_as_eager_and_caches_its_plans(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    ex = _example()
+    eager, model = ex.build_model(), ex.build_model()
+    wrapped = remat_ir.wrap(model, budget=0.6)
+    batches = [_batch(2, 32, s) for s in range(3)]
+    out_e, out_w = _train(eager, batches), _train(wrapped, batches)
+    assert type(out_w) is type(out_e) and out_w.logits.shape == out_e.logits.shape
+    assert torch.equal(out_w.loss, out_e.loss)
+    assert _same_parameters(model, eager)
+    plan = next(iter(wrapped.plans.values())).program
+    assert plan.header.budget is not None and plan.header.budget.scope == "activations"
+    assert [v.source for v in plan.values if v.kind == "input"] == ["input_ids", "attention_mask", "labels"]
+
+    # A smaller last batch: a plan of its own, the same training.
+    _train(eager, [_batch(1, 32, 9)], seed=9)
+    _train(wrapped, [_batch(1, 32, 9)], seed=9)
+    assert _same_parameters(model, eager)
+    assert len(wrapped.plans) == 2 and len(list(tmp_path.glob("*.rir"))) == 2
+
+    # A second process finds the plan on disk: the optimizer is not even imported.
+    r = subprocess.run([sys.executable, "-c", _SECOND_RUN.format(tests=str(ROOT / "tests"))],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "REMAT_IR_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    second = json.loads(r.stdout.strip().splitlines()[-1])
+    assert second["optimizer_imported"] is False, second
+    assert "planning" not in r.stderr
+    assert len(list(tmp_path.glob("*.rir"))) == 2
+
+
+def test_compiled_plan_file_verifies_and_trains_as_eager(tmp_path):
+    ex = _example()
+    eager, model = ex.build_model(), ex.build_model()
+    batch = _batch(2, 16, 0)
+    plan = remat_ir.compile(model, (), batch)
+    path = tmp_path / "gpt2.rir"
+    remat_ir.save_plan(plan, path)
+    verify = ROOT / ".venv" / "bin" / "remat-verify"
+    cmd = [str(verify)] if verify.exists() else [sys.executable, "-m", "remat_ir.cli.commands", "verify"]
+    r = subprocess.run(cmd + [str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wrapped = remat_ir.wrap(model, remat_ir.load_plan(path))
+    _train(eager, [batch] * 2)
+    _train(wrapped, [batch] * 2)
+    assert _same_parameters(model, eager)
+    # Positional or keyword, the same plan: inputs are named by the forward's parameters.
+    torch.manual_seed(0)
+    wrapped(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss.backward()
+    # A tensor where the plan had None is another call.
+    with pytest.raises(PlanMismatch, match="position_ids"):
+        wrapped(**batch, position_ids=torch.arange(16).expand(2, 16))
+    with pytest.raises(PlanMismatch, match="no tensor for attention_mask"):
+        wrapped(input_ids=batch["input_ids"], labels=batch["labels"])
+
+
+def test_trainer_trains_the_wrapped_model_as_the_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    ex = _example()
+    wrapped = ex.train(steps=3, budget=0.6)
+    eager = ex.train(steps=3, eager=True)
+    assert _same_parameters(wrapped, eager)
+    assert not _same_parameters(wrapped, ex.build_model())  # it trained
+
+
+# ------------------------------------------------------------ manners
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x, mask=None, *, scale: float = 1.0):
+        h = self.drop(torch.relu(self.fc1(x)))
+        if mask is not None:
+            h = h * mask
+        return {"out": self.fc2(h) * scale, "h": h}
+
+
+def _loss(out, *args, **kwargs):
+    return out["out"].square().mean()
+
+
+def test_wrapper_manners(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    w = remat_ir.wrap(net, loss=_loss)  # no budget: the unoptimized plan, planned at the first call
+    x, mask = torch.randn(4, 8), torch.ones(4, 16)
+    for kwargs in ({}, {"mask": mask}, {"mask": mask, "scale": 2.0}):
+        torch.manual_seed(1)
+        w(x, **kwargs).backward()
+        torch.manual_seed(1)
+        _loss(ref(x, **kwargs)).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
+    assert len(w.plans) == 3  # None, a tensor, another constant: three signatures
+    small = remat_ir.wrap(Net(), loss=_loss, max_plans=2)
+    for n in (1, 2, 3, 1):
+        small(torch.randn(n, 8)).backward()
+    # The least recently used plan (batch 2) went.
+    assert [next(v.shape for v in r.program.values if v.kind == "input") for r in small.plans.values()] == \
+        [[3, 8], [1, 8]]
+    import inspect
+
+    assert list(inspect.signature(w.forward).parameters) == ["x", "mask", "scale"]
+
+    # Its mode is the model's: the wrapper in train mode, the model in eval: eager.
+    w.train()
+    net.eval()
+    assert torch.equal(w(x), _loss(net(x)))
+    net.train()
+
+    # Pickles (the compiled code is made again from the plan), and trains after loading.
+    buf = io.BytesIO()
+    torch.save(w, buf)
+    w2 = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    torch.manual_seed(1)
+    w2(x).backward()
+    copy.deepcopy(w)(x).backward()
+    lam = remat_ir.wrap(Net(), loss=lambda out, x: out["out"].sum())
+    with pytest.raises(TypeError, match=r"save the model itself \(wrapper.module"):
+        torch.save(lam, io.BytesIO())
+
+    # A dtype change after wrapping is named, not an aten error.
+    plan = remat_ir.compile(net, (x,), loss=_loss)
+    wp = remat_ir.wrap(net, plan, loss=_loss)
+    wp.double()
+    with pytest.raises(PlanMismatch, match="fc1.weight is float64.*compiled for float32"):
+        wp(x.double())
+    # The budget wrapper plans for the model as it is now, and refuses its float32 plan.
+    w(x.double()).backward()
+    with pytest.raises(PlanMismatch, match="fc1.weight is float64"):
+        w(x)
