@@ -1,9 +1,15 @@
 """tools/gpu_check.py end to end on CPU (--device cpu --small): plans compiled
-under FakeTensorMode into a directory, then loaded and run."""
+under FakeTensorMode into a directory, then loaded and run; plans for CUDA
+compiled on CPU; tools/gpu_window.sh run end to end on CPU."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +32,7 @@ def gpu_check():
 @pytest.fixture(scope="module")
 def plans(gpu_check, tmp_path_factory):
     d = tmp_path_factory.mktemp("plans")
-    rc = gpu_check.main(["--compile-only", "--plans", str(d), "--device", "cpu", "--small", "--budgets", "0.7,0.5"])
+    rc = gpu_check.main(["--compile-only", "--plans", str(d), "--device", "cpu", "--small", "--budgets", "0.7,0.5,floor"])
     assert rc in (0, 1)  # 1: some budget has no plan (e.g. the optimizer is not available)
     return d
 
@@ -50,7 +56,7 @@ def test_compile_only_writes_plans(gpu_check, plans):
 def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = gpu_check.main(["--device", "cpu", "--small", "--plans", str(plans), "--json", str(out),
-                         "--budgets", "0.7,0.5"])
+                         "--budgets", "0.7,0.5,floor"])
     text = capsys.readouterr()
     assert "loaded" in text.err
     assert "traced" not in text.err  # plans, and reasons for missing ones, came from the directory
@@ -61,6 +67,10 @@ def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
         assert rows[key]["status"] == "ok", rows[key]
     # The storage tracker on CPU measures exactly what the simulator predicts.
     assert rows["remat-plan"]["grad_diff"] == 0.0
+    assert js["eager_reproducible"] and js["grads_ok"] and js["ok"]
+    assert {"torch", "cuda", "tf32_matmul", "float32_matmul_precision"} <= set(js["settings"])
+    # Eager's prediction is its own trace (CPU's fp32 dropout masks, cross-entropy unfused).
+    assert rows["eager"]["predicted_total"] > rows["remat-plan"]["predicted_total"]
     for r in js["rows"]:
         if r["status"] == "ok" and r.get("predicted_total") is not None:
             assert abs(r["measured_total"] - r["predicted_total"]) <= 0.01 * r["predicted_total"] + 2**20, r
@@ -72,14 +82,88 @@ def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
     assert "| remat-ir, unoptimized plan |" in text.out
 
 
-def test_plan_for_cuda_is_retargeted():
-    from remat_ir import ir
-    from remat_ir.cli.bench import retarget_device
-    from remat_ir.trace.tracer import trace_builtin
+def _assert_cuda_plans(d):
+    from remat_ir.ir.files import load_plan
+    from remat_ir.ir.ops import device_problems
+    from remat_ir.trace.rewrites import is_neutral
 
-    p = retarget_device(trace_builtin("gpt2-tiny", fake=True), "cuda")
-    devs = {a.name for n in p.nodes for a in list(n.args) + list(n.kwargs.values()) if isinstance(a, ir.Device)}
-    assert devs == {"cuda"} and p.header.device == "cuda"
+    files = sorted(Path(d).glob("*_cuda_*.rir"))
+    assert files
+    for f in files:
+        p = load_plan(f)
+        ops = {n.op for n in p.nodes}
+        assert p.header.device == "cuda" and is_neutral(p), f
+        assert device_problems(ops, "cuda") == [] and not any(op.startswith("remat.") for op in ops), f
+        assert "aten.native_dropout.default" in ops, f
+
+
+def test_compile_only_for_cuda_builtin(gpu_check, tmp_path):
+    assert gpu_check.main(["--compile-only", "--device", "cuda", "--small", "--plans", str(tmp_path),
+                           "--budgets", ""]) == 0
+    _assert_cuda_plans(tmp_path)
+
+
+def test_compile_only_for_cuda_transformers_sdpa(gpu_check, tmp_path):
+    pytest.importorskip("transformers")
+    model = tmp_path / "hf_sdpa.py"
+    model.write_text(textwrap.dedent("""
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        def build(batch: int = 2, seq: int = 32, seed: int = 0):
+            config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                bos_token_id=255, eos_token_id=255, attn_implementation="sdpa")
+            torch.manual_seed(seed)
+            ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+            return GPT2LMHeadModel(config).train(), (ids,)
+
+        def loss(out, ids):
+            return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    """))
+    assert gpu_check.main(["--compile-only", "--device", "cuda", "--model", str(model), "--plans",
+                           str(tmp_path / "plans"), "--budgets", ""]) == 0
+    _assert_cuda_plans(tmp_path / "plans")
+
+
+def test_gradient_mismatch_fails_where_eager_is_reproducible(gpu_check):
+    import argparse
+
+    def rows(remat_equal):
+        eager = gpu_check.Method("eager", "eager PyTorch", None)
+        plan = gpu_check.Method("remat-plan", "remat-ir, unoptimized plan", None)
+        for mm in (eager, plan):
+            mm.predicted_total = mm.measured_total = 100 * 2**20
+            mm.predicted_act = mm.measured_act = 10 * 2**20
+        plan.grad_equal, plan.grad_diff = remat_equal, 0.0 if remat_equal else 1e-7
+        return [eager, plan]
+
+    args = argparse.Namespace(device="cpu", model="gpt2-tiny", batch=2, seq=64, steps=0)
+    _, ok, js = gpu_check.report(args, rows(True), {"eager_reproducible": True}, 1.0)
+    assert ok and js["grads_ok"]
+    md, ok, js = gpu_check.report(args, rows(False), {"eager_reproducible": True}, 1.0)
+    assert not ok and not js["grads_ok"] and "FAIL: eager is reproducible" in md
+    md, ok, _ = gpu_check.report(args, rows(False), {"eager_reproducible": False,
+                                                     "eager_rerun_grad_diff": 3e-7}, 1.0)
+    assert ok and "reported, not failed" in md
+
+
+def test_window_script_on_cpu(tmp_path):
+    """tools/gpu_window.sh end to end with --device cpu --small (unoptimized plan only)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    t0 = time.perf_counter()
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_window.sh"), "--device", "cpu", "--small",
+                        "--plans", str(tmp_path / "plans"), "--budgets", ""],
+                       env=env, capture_output=True, text=True, timeout=600)
+    out = tmp_path / "out"
+    assert r.returncode == 0, (r.stderr[-3000:], (out / "summary.txt").read_text())
+    summary = (out / "summary.txt").read_text()
+    for stepname in ("install", "pytest", "probe", "gpu_check"):
+        assert f"{stepname}: exit 0" in summary, summary
+    assert "already installed" in (out / "install.log").read_text()
+    assert "skipped" in (out / "pytest.txt").read_text()  # no GPU here
+    assert json.loads((out / "gpu_check.json").read_text())["ok"]
+    assert "fused cross-entropy backward" in (out / "probe.md").read_text()
+    print(f"gpu_window.sh --device cpu --small: {time.perf_counter() - t0:.0f} s")
 
 
 def test_bad_input(gpu_check, capsys):

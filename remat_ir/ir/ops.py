@@ -51,7 +51,9 @@ def _dropout_keep_meta(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _dropout_scale(keep: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    kept = torch.ones((), dtype=dtype, device=keep.device).div_(scale)
+    # `1 / scale` is made on the host: a 0-dim CPU tensor is a valid operand on
+    # any device, and reading it back costs no device sync.
+    kept = torch.ones((), dtype=dtype).div_(scale)
     if not math.isfinite(kept.item()):
         return keep.to(dtype).div_(scale)
     return keep.view(torch.uint8) * kept
@@ -99,3 +101,31 @@ HIDDEN_MUTATORS = {
     "aten.cudnn_batch_norm.default": (5, (3, 4)),
     "aten.miopen_batch_norm.default": (5, (3, 4)),
 }
+
+# Ops a plan must not hold when it runs on CUDA: those with no CUDA kernel,
+# and remat-ir's own ops, each proven bit-equal to eager on CPU only (CUDA
+# eager draws dropout with the fused philox `native_dropout`, not `bernoulli_`;
+# the in-place cross-entropy backward is checked against CPU's kernel).
+CPU_ONLY_OPS = frozenset({
+    "remat.dropout_keep.default",
+    "remat.dropout_scale.default",
+    "remat.nll_log_softmax_backward.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+})
+
+
+def cpu_only(op: str) -> bool:
+    """Whether the op named `op` (`ns.name.overload`) may run on CPU only:
+    listed above, or one of ATen's CPU-specific kernels (`*_for_cpu*`,
+    oneDNN's `mkldnn*`)."""
+    name = op.split(".")[1] if op.count(".") >= 2 else op
+    return op in CPU_ONLY_OPS or "_for_cpu" in name or "mkldnn" in name
+
+
+def device_problems(ops, device: str) -> list[str]:
+    """The ops of `ops` (names) a plan for `device` must not hold, each once,
+    in order; empty when all may run there."""
+    if torch.device(device).type == "cpu":
+        return []
+    return list(dict.fromkeys(op for op in ops if cpu_only(op)))

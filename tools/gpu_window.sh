@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU window in one command: what a short turn on a CUDA machine runs.
+#
+#   tools/gpu_window.sh prepare                # on a CPU machine with a package index, beforehand
+#   tools/gpu_window.sh                        # on the CUDA machine (torch preinstalled, no index)
+#   tools/gpu_window.sh --device cpu --small   # the same steps on CPU, end to end
+#
+# `prepare` fills .gpu_window/ (git-ignored; carry it with the working tree):
+#   wheels/  msgspec (the runtime's one dependency besides torch), lark, and
+#            pytest with its dependencies, for CPython 3.10-3.12 on x86-64
+#            Linux, pinned to this checkout's environment
+#   plans/   plans for CUDA, traced and optimized here on CPU
+#            (tools/gpu_check.py --compile-only --device cuda): GPT-2 medium
+#            4 x 512 at 0.7 / 0.5 / 0.3 and the floor, gpt2-tiny at 0.5 and
+#            the floor (read by tests/test_cuda.py through REMAT_CUDA_PLANS)
+#
+# The run (each step under a time limit, 8 minutes in all; not yet timed on a
+# GPU) installs from wheels/ whatever of msgspec, lark and pytest is not
+# importable (pip --no-index; nothing is fetched), then writes under $OUT
+# (default out/gpu_window):
+#   pytest.txt                      tests/test_cuda.py
+#   probe.md, probe.json            tools/gpu_probe.py: eager reproducibility, dropout replay,
+#                                   fused vs unfused cross-entropy bits, SDPA kernel
+#   gpu_check.md, gpu_check.json    tools/gpu_check.py on GPT-2 medium 4 x 512 (--small: gpt2-tiny)
+#   summary.txt                     each step's exit code and seconds
+# Arguments other than --device, --small and --plans go to gpu_check.py.
+# Exit code: 0 when every step exited 0, 1 when one did not, 2 without a Python that has torch.
+set -u
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# The interpreter with torch: $PYTHON, else the first python3 / python that imports it.
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    for c in python3 python; do
+        if command -v "$c" > /dev/null && "$c" -c "import torch" 2> /dev/null; then PY="$(command -v "$c")"; break; fi
+    done
+fi
+if [ -z "$PY" ]; then
+    echo "gpu_window: error: no python3 or python here imports torch; set PYTHON=/path/to/python" >&2
+    exit 2
+fi
+WINDOW="$ROOT/.gpu_window"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "${1:-}" = "prepare" ]; then
+    set -e
+    mkdir -p "$WINDOW/wheels" "$WINDOW/plans"
+    pins=$("$PY" - <<'EOF'
+from importlib.metadata import version
+print(" ".join(f"{p}=={version(p)}" for p in ("msgspec", "lark", "pytest")))
+EOF
+)
+    for v in 3.10 3.11 3.12; do
+        "$PY" -m pip download -q --only-binary=:all: --python-version "$v" --implementation cp \
+            --platform manylinux2014_x86_64 -d "$WINDOW/wheels" $pins
+    done
+    # pip reads dependency markers with this interpreter's version: add what 3.10 needs.
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.10 --implementation cp \
+        --platform manylinux2014_x86_64 -d "$WINDOW/wheels" exceptiongroup tomli typing_extensions
+    "$PY" tools/gpu_check.py --compile-only --device cuda --plans "$WINDOW/plans"
+    "$PY" tools/gpu_check.py --compile-only --device cuda --small --budgets 0.5,floor --plans "$WINDOW/plans"
+    ls -l "$WINDOW/wheels" "$WINDOW/plans"
+    exit 0
+fi
+
+DEVICE=cuda
+SMALL=()
+PLANS="$WINDOW/plans"
+EXTRA=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE="$2"; shift 2 ;;
+        --small) SMALL=(--small); shift ;;
+        --plans) PLANS="$2"; shift 2 ;;
+        *) EXTRA+=("$1"); shift ;;
+    esac
+done
+OUT="${OUT:-$ROOT/out/gpu_window}"
+mkdir -p "$OUT" "$PLANS"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+status=0
+T0=$SECONDS
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, record exit code and seconds
+    local name="$1" limit="$2" t=$SECONDS rc
+    shift 2
+    echo "== $name" >&2
+    if declare -F "$1" > /dev/null; then
+        "$@"  # a function of this script: quick, and timeout cannot run it
+    else
+        timeout --kill-after=10 "$limit" "$@"
+    fi
+    rc=$?
+    echo "$name: exit $rc, $((SECONDS - t)) s" | tee -a "$SUMMARY" >&2
+    [ "$rc" -eq 0 ] || status=1
+}
+
+install_missing() {
+    local missing=()
+    for m in msgspec lark pytest; do
+        "$PY" -c "import $m" 2>/dev/null || missing+=("$m")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        echo "msgspec, lark, pytest: already installed"
+        return 0
+    fi
+    "$PY" -m pip install --no-index --find-links "$WINDOW/wheels" "${missing[@]}"
+}
+
+{
+    echo "python $("$PY" -c 'import sys; print(sys.version.split()[0])'), $(uname -m)"
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
+} >> "$SUMMARY" 2>&1
+
+step install 120 install_missing > "$OUT/install.log" 2>&1
+REMAT_CUDA_PLANS="$PLANS" step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    > "$OUT/pytest.txt" 2>&1
+step probe 90 "$PY" tools/gpu_probe.py --device "$DEVICE" ${SMALL[@]+"${SMALL[@]}"} --md "$OUT/probe.md" \
+    --json "$OUT/probe.json" > /dev/null 2> "$OUT/probe.log"
+step gpu_check 300 "$PY" tools/gpu_check.py --device "$DEVICE" ${SMALL[@]+"${SMALL[@]}"} --plans "$PLANS" \
+    --md "$OUT/gpu_check.md" --json "$OUT/gpu_check.json" ${EXTRA[@]+"${EXTRA[@]}"} > /dev/null 2> "$OUT/gpu_check.log"
+echo "total: $((SECONDS - T0)) s" | tee -a "$SUMMARY" >&2
+exit $status
