@@ -570,6 +570,10 @@ class Profile:
     peak_bwd: int = 0
     start: int = 0
     where: str = ""
+    fwd_total: np.ndarray | None = None  # with constants: bytes after each forward node
+    # with constants: every backward record (stage, slot: a forward node's
+    # recompute, or nf for the backward node itself) and its bytes
+    records: tuple | None = None
 
 
 def profile(a: Analysis, keep: list[bool], storages, *, with_constants: bool = True) -> Profile:
@@ -618,6 +622,8 @@ def profile(a: Analysis, keep: list[bool], storages, *, with_constants: bool = T
         pf = a.base_f + a.fwd_asap + fwd_extra
         prof.peak_fwd = int(pf.max()) if len(pf) else 0
         prof.start = int(a.const_start + retained)
+        prof.fwd_total = pf
+        prof.records = (stage, slot, tot)
         if prof.peak_fwd >= max(prof.peak_bwd, prof.start):
             prof.where = a.fwd[int(np.argmax(pf))].name
         elif prof.peak_bwd >= prof.start and len(tot):

@@ -259,6 +259,7 @@ class KeepModel:
         self.const_mem = 0.0
         events = self.events
         self.active = active
+        self.chains: dict[int, list] = {}  # event -> its chain of rows: None (the gap before it), recomputes
 
         def want(rid) -> bool:
             return active is None or rid in active
@@ -362,30 +363,39 @@ class KeepModel:
                     if y:
                         _add(mem, live(k, y, stage), float(sts[k].size))
                 self.row(mem, "mem")
-            if not want(("q", e)):
-                continue
             # recompute slots, and the gap before this event
             qs = list(slots.get(stage, ()))
             gap_lo = prev + 1 if (e > 0 or self.mode == "flat") else stage
             gap = const_b[gap_lo:stage].max() if stage > gap_lo else None
             chain = ([None] if gap is not None else []) + qs  # None: slot -inf
+            self.chains[e] = chain
             if not chain:
+                continue
+            rows_wanted = [i for i in range(len(chain)) if want(("q", e, i))]
+            if not rows_wanted:
                 continue
             mems = [{CONST: float(gap if q is None else const_pre[stage])} for q in chain]
             for k, st in enumerate(sts):
                 owner_slot = st.owner in qs
                 if stage > maxneed[k] and not owner_slot:
                     continue
-                # Z_i: needed at slot i or later (chained from the back).
+                # Z_i: needed at slot i or later.  Every row: chained from the
+                # back.  Some rows: each Z_i on its own, an OR of the same terms.
                 z_next = Yb(k, e) if stage <= maxneed[k] else {}
                 zs = [None] * len(chain)
-                for i in range(len(chain) - 1, -1, -1):
-                    lo = -1 if chain[i] is None else chain[i]
-                    hi = chain[i + 1] if i + 1 < len(chain) else nf
-                    terms = [z_next] + [self.RC(w, e) for w in dyn[k] if lo <= w < hi]
-                    z_next = self.ge_max(terms)
-                    zs[i] = z_next
-                for i, q in enumerate(chain):
+                if active is None:
+                    for i in range(len(chain) - 1, -1, -1):
+                        lo = -1 if chain[i] is None else chain[i]
+                        hi = chain[i + 1] if i + 1 < len(chain) else nf
+                        terms = [z_next] + [self.RC(w, e) for w in dyn[k] if lo <= w < hi]
+                        z_next = self.ge_max(terms)
+                        zs[i] = z_next
+                else:
+                    for i in rows_wanted:
+                        lo = -1 if chain[i] is None else chain[i]
+                        zs[i] = self.ge_max([z_next] + [self.RC(w, e) for w in dyn[k] if lo <= w])
+                for i in rows_wanted:
+                    q = chain[i]
                     point = stage if (q is not None and st.owner <= q) else prev
                     lv = live(k, zs[i], point) if zs[i] else {}
                     if q is not None and st.owner == q:
@@ -394,8 +404,8 @@ class KeepModel:
                             lv = self.ge_max([lv, rc]) if lv else rc
                     if lv:
                         _add(mems[i], lv, float(st.size))
-            for m in mems:
-                self.row(m, "mem")
+            for i in rows_wanted:
+                self.row(mems[i], "mem")
         # Trailing stages with nothing in scope (flat mode: constants only).
         if self.mode == "flat":
             tail_lo = (events[-1] + 1) if events else 0
@@ -438,6 +448,43 @@ class KeepModel:
                 _add(obj, self.X(n, last_stage), float(c))
         self.obj = obj
         return self
+
+    def rows_over(self, prof, limit: float) -> dict:
+        """The memory rows (ids for `build(active=...)`) at which a plan whose
+        exact profile is `prof` (`family.profile`, with constants) holds more
+        than `limit` bytes, each with the most bytes seen there.  A record the
+        model has no row of its own for (the recompute of a node that owns
+        no decided storage) frees and allocates nothing the plan decides, so
+        the row of the recompute before it bounds it."""
+        nf = self.a.nf
+        out: dict = {}
+
+        def add(rid, v):
+            out[rid] = max(out.get(rid, 0), int(v))
+
+        for t in np.nonzero(prof.fwd_total > limit)[0]:
+            add(("f", int(t)), prof.fwd_total[t])
+        if prof.start > limit:
+            add(("s",), prof.start)
+        stage, slot, tot = prof.records
+        events = self.events
+        for k in np.nonzero(tot > limit)[0]:
+            j, q = int(stage[k]), int(slot[k])
+            e = bisect.bisect_left(events, j)
+            if e == len(events):
+                add(("tail",), tot[k])  # constants only: no row can change it
+            elif events[e] != j:
+                add(("q", e, 0), tot[k])  # in the gap before event e
+            elif q == nf:
+                add(("b", e), tot[k])
+            else:
+                chain = self.chains.get(e, [])
+                before = [i for i, x in enumerate(chain) if x is None or x <= q]
+                if before:
+                    add(("q", e, before[-1]), tot[k])
+                else:  # nothing decided was allocated since the backward node before
+                    add(("b", e - 1) if e > 0 else ("b", e), tot[k])
+        return out
 
     # ------------------------------------------------------------ cvxpy
 

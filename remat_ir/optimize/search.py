@@ -44,12 +44,18 @@ from remat_ir.optimize.milp import KeepModel, SolveRecord, installed_solvers, pi
 from remat_ir.ir.schedule import default_schedule
 from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
-FLAT_MAX_DECISIONS = 16  # above this, decompose (when the graph has segments)
-# Up to this many decisions the flat MILP still finds good plans within a
-# minute, just not always proven ones: it is solved beside the decomposed
-# search (which keeps every block input, so it misses plans that recompute
-# one) and below its floor, and the better plan is taken.
-FLAT_FALLBACK_DECISIONS = 64
+# Up to this many decisions the flat MILP, with its memory rows added as the
+# plans it finds break them, is solved to optimality in seconds: no
+# decomposition, and a plan that depends on nothing but the program and the
+# budget.  Above it, decompose (when the graph has segments).
+FLAT_MAX_DECISIONS = 128
+LAZY_ROUNDS = 40  # rounds of adding rows before the flat MILP takes every row at once
+LAZY_ROUND_NODES = 500  # branch-and-bound nodes of a round that only learns rows
+FLAT_PROOF_NODES = 3000  # ... and of the last round, which looks for the cheapest plan
+# The flat MILP stops within this relative gap of its optimum: proving the
+# last fraction of a percent on chains of identical blocks (symmetric
+# decisions) can take a minute.
+FLAT_GAP = 5e-3
 
 # A safety stop, not a tuning knob: the search's own limits are counts (see
 # `Settings`), and a run this limit cuts short says so.
@@ -159,11 +165,11 @@ class Settings:
     load.  A node limit of None solves to the gap tolerance."""
 
     option_nodes: int | None = None  # per option MILP of a block
-    flat_nodes: int | None = None  # per MILP over every decision (flat fallback, refinement windows)
+    window_nodes: int | None = None  # per refinement-window MILP (two adjacent segments)
     combine_nodes: int | None = None  # per combine MILP (non-chain graphs)
     option_seconds: float | None = None  # cap per option MILP (the two extremes get twice)
     options_seconds: float | None = None  # cap on a program's first option sets, all classes
-    flat_seconds: float | None = None  # cap per flat MILP beside the decomposed search
+    window_seconds: float | None = None  # cap per refinement-window MILP
     combine_seconds: float | None = None  # cap per combine MILP
     option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
     kept_levels: int = 5  # option levels of bytes kept into backward ...
@@ -177,7 +183,7 @@ class Settings:
 
     @property
     def deterministic(self) -> bool:
-        return all(c is None for c in (self.option_seconds, self.options_seconds, self.flat_seconds,
+        return all(c is None for c in (self.option_seconds, self.options_seconds, self.window_seconds,
                                        self.combine_seconds))
 
 
@@ -185,7 +191,7 @@ class Settings:
 # plan on any machine; "fast" caps them in seconds (measured: node limits
 # alone do not make them fast, most of a solve is spent at the root).
 EFFORTS = {
-    "fast": Settings(option_seconds=1.0, options_seconds=12.0, flat_seconds=15.0, combine_seconds=10.0),
+    "fast": Settings(option_seconds=1.0, options_seconds=12.0, window_seconds=15.0, combine_seconds=10.0),
     "full": Settings(fit_per_class=9, all_windows=True),
 }
 
@@ -300,7 +306,6 @@ class Planner:
         self.all_dec = self.a.decisions()
         # The step's cost in the plan's cost model (FLOPs, or profiled microseconds).
         self.base_cost = float(sum(node_cost(n, program.header.cost) for n in program.nodes))
-        self.auto = decompose is None  # decompose=True asks for the decomposed search alone
         if decompose is None:
             decompose = len(self.all_dec) > FLAT_MAX_DECISIONS
             if decompose:
@@ -309,7 +314,6 @@ class Planner:
         self.decompose = decompose
         self.solves: list[SolveRecord] = []
         self.plans: dict[tuple, Plan] = {}
-        self.flat_models: dict[str, object] = {}
         self.class_models: dict[str, dict] = {}
         self.floor_plan: Plan | None = None
         self.floor_proven = False  # the flat MILP proved the floor optimal
@@ -375,34 +379,65 @@ class Planner:
 
     # ---- flat
 
-    def _flat(self, objective: str):
-        c = self.flat_models.get(objective)
-        if c is None:
-            if "model" not in self.flat_models:
-                t0 = time.perf_counter()
-                self.flat_models["model"] = KeepModel(self.a).build()
-                self.say(f"flat model: {self.flat_models['model'].ny} decisions, built in "
-                         f"{time.perf_counter() - t0:.2f} s")
-            c = self.flat_models["model"].compile(objective)
-            self.flat_models[objective] = c
-        return c
-
-    def flat_floor(self, nodes: int | None, cap: float | None = None) -> Plan | None:
-        c = self._flat("peak")
-        self.flat_floor_tried = True
-        kept, rec = self._solve(c, "flat floor", nodes=nodes, cap=cap)
-        if kept is None:
-            return None
-        self.floor_proven = rec.status == "optimal"
-        return self.evaluate(kept)
-
-    def flat_budget(self, budget: int, nodes: int | None, cap: float | None = None) -> Plan | None:
-        c = self._flat("cost")
-        c.B.value = float(budget)
-        kept, _ = self._solve(c, f"flat budget {human_bytes(budget)}", nodes=nodes, cap=cap)
-        if kept is None:
-            return None
-        return self.evaluate(kept)
+    def lazy_flat(self, budget: int | None) -> Plan | None:
+        """The flat MILP (exact for the plan family) over every decision, with
+        only the memory rows the plans it finds break: solve with some rows,
+        profile the plan exactly, add the rows where it holds more than the
+        budget (without a budget, more than the peak the MILP claimed), and
+        solve again.  Each round's optimum bounds the true one from below,
+        so the first plan that breaks no row is optimal.  Most rows never
+        bind: gpt2-tiny converges in two rounds with 13-20 of its ~8,000.
+        Returns None when no plan fits (the budget is below the floor)."""
+        a = self.a
+        objective = "cost" if budget is not None else "peak"
+        what = f"budget {human_bytes(budget)}" if budget is not None else "floor"
+        # Each search starts from the start-of-backward row alone.  Rows one
+        # budget needed are valid for every budget, but measured, starting
+        # from them is slower: the MILP's time grows with its rows (gpt2-tiny,
+        # the floor's 76 rows then a sweep's budgets: 16-32 s each, against
+        # 2-5 s from scratch).
+        active: set | None = {("s",)}
+        # Early rounds only need a plan to learn rows from, not a proof: they
+        # stop at a node limit (the first round, with the start row alone, is
+        # a knapsack that is slow to prove on chains of identical blocks).  A
+        # plan that breaks no row and is not proven optimal is searched
+        # again with a larger node limit; the plan is then the best found
+        # (its gap is in the solve record).  Node limits, unlike time
+        # limits, stop every machine at the same point.
+        nodes = LAZY_ROUND_NODES
+        for rnd in range(2 * LAZY_ROUNDS):
+            m = KeepModel(a).build(active)
+            c = m.compile(objective)
+            if budget is not None:
+                c.B.value = float(budget)
+            rows = "every" if active is None else len(active)
+            kept, rec = self._solve(c, f"flat {what}, round {rnd + 1} ({rows} memory rows)", nodes=nodes,
+                                    rel_gap=FLAT_GAP)
+            if kept is None:
+                if nodes == FLAT_PROOF_NODES or rec.status == "infeasible":
+                    return None
+                nodes = FLAT_PROOF_NODES  # no plan within the round's node limit: search further
+                continue
+            prof = profile(a, a.keep_of(kept), range(len(a.storages)))
+            limit = float(budget) if budget is not None else float(c.B.value) + 0.5
+            over = m.rows_over(prof, limit)
+            if ("tail",) in over:
+                return None  # bytes no plan changes exceed the budget
+            new = set() if active is None else set(over) - active
+            if not new:
+                if over and active is not None:
+                    active = None  # (never seen) a row the mapping missed: take every row
+                    continue
+                if rec.status == "optimal" or nodes == FLAT_PROOF_NODES:
+                    if budget is None:
+                        self.floor_proven = rec.status == "optimal" and not rec.gap
+                    return self.evaluate(kept)
+                nodes = FLAT_PROOF_NODES  # fits every row: now search on for a cheaper one
+                continue
+            active |= new
+            if rnd + 1 >= LAZY_ROUNDS:
+                active = None
+        return None
 
     # ---- decomposed: segments and their options
 
@@ -793,8 +828,8 @@ class Planner:
                 continue
             c.y.value = np.array([1.0 if d in kept else 0.0 for d in c.m.dec])
             name = f"window {segs[i].name}+{segs[i + 1].name}"
-            got, _ = self._solve(c, name, nodes=self.settings.flat_nodes, warm=True,
-                                 cap=self.settings.flat_seconds)
+            got, _ = self._solve(c, name, nodes=self.settings.window_nodes, warm=True,
+                                 cap=self.settings.window_seconds)
             if got is None:
                 continue
             if len(segs) == 2:
@@ -825,25 +860,13 @@ class Planner:
 
     # ---- the floor
 
-    def flat_fallback(self) -> bool:
-        """Beside the decomposed search, also solve the flat MILP (few enough
-        decisions for it to find good plans)."""
-        return self.auto and self.decompose and len(self.all_dec) <= FLAT_FALLBACK_DECISIONS \
-            and not self.out_of_time(1.0)
-
     def floor_plan_for(self) -> Plan:
         if self.floor_plan is None:
-            flat = None
-            if not self.decompose:
-                plan = self.flat_floor(None)
-            else:
-                plan = self.decomposed_floor()
-                if self.flat_fallback():
-                    self.say("  the flat MILP may go below the decomposed floor: trying it")
-                    flat = self.flat_floor(self.settings.flat_nodes, cap=self.settings.flat_seconds)
-            cands = [p for p in (plan, flat, self.keep_all(), self.evaluate(set())) if p is not None]
+            plan = self.decomposed_floor() if self.decompose else self.lazy_flat(None)
+            self.flat_floor_tried = not self.decompose
+            cands = [p for p in (plan, self.keep_all(), self.evaluate(set())) if p is not None]
             self.floor_plan = min(cands, key=lambda p: (p.peak, p.cost))
-            self.floor_mode = "flat" if (flat is self.floor_plan or not self.decompose) else "decomposed"
+            self.floor_mode = "decomposed" if self.decompose else "flat"
         return self.floor_plan
 
 
@@ -934,33 +957,11 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
         plan = base  # nothing to recompute
     else:
         mode = "decomposed" if pl.decompose else "flat"
-        if pl.decompose:
-            plan = pl.decomposed_budget(budget)
-            if pl.flat_fallback() and not (plan is not None and pl.last_window_whole):
-                # Few enough decisions for the exact flat MILP, which also
-                # weighs what the decomposition keeps at block boundaries and
-                # approximates between segments: the cheaper plan that fits
-                # wins.  (Skipped when the decomposed search's own refinement
-                # already was that MILP.)
-                pl.say("  small graph: trying the flat MILP too")
-                flat = pl.flat_budget(budget, pl.settings.flat_nodes, cap=pl.settings.flat_seconds)
-                if flat is not None and flat.peak <= budget and (plan is None or flat.cost < plan.cost):
-                    plan, mode = flat, "flat"
-        else:
-            plan = pl.flat_budget(budget, None)
-            if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
-                plan = None
+        plan = pl.decomposed_budget(budget) if pl.decompose else pl.lazy_flat(budget)
+        if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
+            plan = None
         if plan is None:
             fp = pl.floor_plan_for()
-            if fp.peak > budget and not pl.settings.deterministic and pl.auto \
-                    and len(pl.all_dec) <= FLAT_FALLBACK_DECISIONS and not pl.out_of_time(1.0):
-                # A refusal must not depend on the machine's load: before
-                # saying no, solve the exact flat MILP without the caps.
-                pl.say("  no plan within the caps: the flat MILP, uncapped")
-                flat = pl.flat_budget(budget, None)
-                if flat is not None and flat.peak <= budget:
-                    fp = flat
-                    pl.floor_mode = "flat"
             if fp.peak > budget:
                 raise _infeasible(pl, budget, fp)
             plan, mode = fp, pl.floor_mode

@@ -1,0 +1,117 @@
+"""The optimizer's own time on the models and budgets it is held to, against
+the targets, as a markdown table.
+
+    .venv/bin/python tools/optimize_times.py [--only gpt2-tiny,mlp] [--repeat 2]
+
+Each model is traced once (fake tensors where it is large); each row then
+times `optimize` alone, cold (a fresh planner), and prints the plan's extra
+compute, the search mode, and a short hash of the plan text.  With
+`--repeat N` every row is solved N times and the hashes must agree: a plan
+depends on the program, the budget and the options only when the search is
+deterministic (the flat search is; the decomposed one with effort "fast" caps
+its MILPs in seconds and can differ with load).  Budgets are fractions of the
+unoptimized activation peak.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from remat_ir.ir.printer import format_program  # noqa: E402
+from remat_ir.optimize.search import Planner, optimize, resolve_budget  # noqa: E402
+from remat_ir.optimize.pareto import sweep  # noqa: E402
+from remat_ir.pipeline import trace  # noqa: E402
+from remat_ir.runtime.load import load_model  # noqa: E402
+
+SCOPE = "activations"
+
+
+def builtin(name, **kw):
+    def make():
+        m = load_model(name, fake=kw.get("fake", False), batch=kw.get("batch"), seq=kw.get("seq"))
+        return trace(m.module, m.inputs, loss=m.loss, name=m.name, fake=kw.get("fake", False))
+    return make
+
+
+def model_file(path):
+    def make():
+        m = load_model(str(ROOT / path))
+        return trace(m.module, m.inputs, loss=m.loss, name=m.name)
+    return make
+
+
+def llama3():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=1000, max_position_embeddings=64,
+                      attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+    return trace(model, (), {"input_ids": ids, "labels": ids}, name="transformers Llama, 3 layers")
+
+
+# (label, program maker, budgets, target seconds per budget)
+CASES = [
+    ("gpt2-tiny", builtin("gpt2-tiny", fake=True), (0.7, 0.5), 2.0),
+    ("mlp", builtin("mlp"), (0.8,), 2.0),
+    ("transformers GPT-2, 2 layers", model_file("examples/hf_gpt2.py"), (0.7,), 2.0),
+    ("transformers Llama, 3 layers", llama3, (0.7,), 2.0),
+    ("gpt2-mid8", builtin("gpt2-mid8", fake=True), (0.5,), 5.0),
+    ("GPT-2 medium 4x512 (fake)", builtin("gpt2-medium", fake=True, batch=4, seq=512), (0.5, 0.3), 8.0),
+]
+
+
+def digest(program) -> str:
+    return hashlib.sha256(format_program(program).encode()).hexdigest()[:10]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated labels (prefixes) to run")
+    ap.add_argument("--repeat", type=int, default=1, help="solves per row (the plan hashes must agree)")
+    ap.add_argument("--no-pareto", action="store_true", help="skip the gpt2-tiny --pareto row")
+    args = ap.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    print("| model | decisions | budget | optimize time | target | extra compute | search | plan |")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    for label, make, fracs, target in CASES:
+        if only and not any(label.startswith(o) for o in only):
+            continue
+        program = make()
+        for frac in fracs:
+            budget = resolve_budget(program, frac, SCOPE)
+            times, hashes = [], set()
+            for _ in range(args.repeat):
+                pl = Planner(program, SCOPE)
+                t0 = time.perf_counter()
+                r = optimize(program, budget, SCOPE, planner=pl)
+                times.append(time.perf_counter() - t0)
+                hashes.add(digest(r.program))
+            t = min(times)
+            same = "" if len(hashes) == 1 else f" ({len(hashes)} different plans!)"
+            ok = ok and len(hashes) == 1
+            print(f"| {label} | {len(pl.all_dec)} | {frac} | {t:.1f} s{' ' if t <= target else ' (over)'} "
+                  f"| {target:g} s | {r.overhead:.3%} | {r.mode} | {next(iter(hashes))}{same} |", flush=True)
+    if not args.no_pareto and (not only or any("gpt2-tiny".startswith(o) or o == "pareto" for o in only)):
+        program = builtin("gpt2-tiny", fake=True)()
+        t0 = time.perf_counter()
+        rows = sweep(program, SCOPE, points=8)
+        t = time.perf_counter() - t0
+        print(f"| gpt2-tiny --pareto, {len(rows)} points | - | whole sweep | {t:.1f} s"
+              f"{'' if t <= 10 else ' (over)'} | 10 s | - | - | - |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
