@@ -53,7 +53,7 @@ def cache_dir() -> Path:
 
 
 def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = "activations",
-         optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 60.0,
+         optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
          solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True):
     """`model`, whose training steps run by a remat-ir plan.
 
@@ -89,7 +89,7 @@ class AutoRemat(WrappedModule):
     module's docstring).  `plans` holds the ones in memory, most recent last."""
 
     def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = "activations",
-                 optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 60.0,
+                 optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
                  solver: str = "HIGHS", cache: bool = True, max_plans: int = 8):
         from remat_ir import pipeline
 

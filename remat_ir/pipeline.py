@@ -235,9 +235,10 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     (None: the unoptimized plan); the plan returned verifies.
 
     `optimizer` ("none", "sgd", "adam"): whose state the prediction and a
-    total budget include.  `effort`: "fast" caps each per-block MILP at about
-    a second (plans can vary with machine load); "full" solves each to
-    optimality."""
+    total budget include.  `effort` (graphs over 192 decisions, which are
+    decomposed): "fast" stops each per-block MILP at a node limit; "full"
+    solves each to its gap tolerance.  Either way the plan depends on the
+    model, the budget and the options alone."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     if budget is not None:

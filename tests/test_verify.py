@@ -480,6 +480,9 @@ def test_wrong_output_facts_are_reported_at_the_value(p, data):
     vals = p.value_map()
     readers = [n for n in p.nodes if v.name in node_inputs(n)]
     near = {v.line} | {n.line for n in readers} | {vals[o].line for n in readers for o in n.outputs if o}
+    # ... or at a tangent, when the edited value is a result (its gradient).
+    if any(o.kind == "result" and o.value == v.name for o in p.outputs):
+        near |= {t.line for t in p.values if t.kind == "tangent"}
     assert all(e.line in near for e in type_errors(verdict)), str(verdict)
 
 

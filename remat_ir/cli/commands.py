@@ -53,9 +53,9 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="safety stop for the optimizer, in seconds per budget (default 300); a plan it "
                         "cuts short says so in its header")
     p.add_argument("--effort", default="fast", choices=["fast", "full"],
-                   help="fast: each per-block MILP stops after about a second with its best plan, so "
-                        "plans can vary with machine load; full: each MILP is solved to its gap "
-                        "tolerance, and two runs give the same plan on any machine")
+                   help="how hard the search on large graphs (over 192 decisions) works: fast stops each "
+                        "per-block MILP at a node limit; full solves each to its gap tolerance. Both give "
+                        "the same plan on any machine")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
                         "measured on --device (needs real tensors: not with --fake)")

@@ -32,10 +32,11 @@ under the `profile` cost model).  For the plan family this model is exact:
 its optimum equals the optimum over all plans built and simulated one by one
 (checked by brute force in the tests).
 
-Sizes on a GPT-2 block (one decision per non-view forward node): ~25
-binaries, ~2-3k continuous variables, ~4-5k rows; HiGHS solves it in
-0.05-0.5 s.  A flat model of a whole 2-layer GPT has ~60 binaries and takes
-10-120 s: hence the decomposition in `search.py`.
+Most memory rows never bind, and each row brings its own liveness
+variables: `build(active=...)` builds only the rows named, and `rows_over`
+names the rows an exactly profiled plan breaks, so `search.py` solves with
+the rows it needs (a whole 2-layer GPT: 64 binaries, 13-20 of ~8,000 memory
+rows, seconds instead of minutes for the whole model).
 
 Built as one sparse matrix (scipy) handed to cvxpy in a single vectorized
 constraint, so canonicalization stays fast.
@@ -415,6 +416,7 @@ class KeepModel:
         # ---- forward records
         lo_t, hi_t = (0, nf - 1) if self.mode == "flat" else (
             min(self.scope_nodes), max(self.scope_nodes))
+        self.fwd_range = (lo_t, hi_t)
         if nf:
             prof = a.base_f + a.fwd_asap
             deaths = sorted({st.asap_death for st, r in zip(sts, R) if r and lo_t <= st.asap_death + 1 <= hi_t})
@@ -433,12 +435,12 @@ class KeepModel:
             if r:
                 _add(ret, r, float(st.size))
         self.retained_expr = ret
-        if self.mode == "flat" and want(("s",)):
+        if self.mode != "flat":
+            self.row(dict(ret), "ret")
+        elif want(("s",)):
             start = dict(ret)
             start[CONST] = start.get(CONST, 0.0) + float(a.const_start)
             self.row(start, "mem")
-        else:
-            self.row(dict(ret), "ret")
 
         # ---- objective: recompute cost (FLOPs, or measured time with --cost profile)
         obj: dict = {}
@@ -462,15 +464,20 @@ class KeepModel:
         def add(rid, v):
             out[rid] = max(out.get(rid, 0), int(v))
 
+        local = self.mode != "flat"
+        lo_t, hi_t = self.fwd_range
         for t in np.nonzero(prof.fwd_total > limit)[0]:
-            add(("f", int(t)), prof.fwd_total[t])
-        if prof.start > limit:
+            if lo_t <= t <= hi_t:
+                add(("f", int(t)), prof.fwd_total[t])
+        if prof.start > limit and not local:
             add(("s",), prof.start)
         stage, slot, tot = prof.records
         events = self.events
         for k in np.nonzero(tot > limit)[0]:
             j, q = int(stage[k]), int(slot[k])
             e = bisect.bisect_left(events, j)
+            if local and (e == len(events) or (e == 0 and events[0] != j)):
+                continue  # outside the segment's backward window: no row of this model
             if e == len(events):
                 add(("tail",), tot[k])  # constants only: no row can change it
             elif events[e] != j:

@@ -9,19 +9,21 @@ The plan family and its exact memory model are in `family.py`: per forward
 node, keep its outputs for backward or recompute it lazily in backward.  The
 MILP (`milp.py`, cvxpy; HiGHS by default) picks the cheapest plan that fits.
 
-Small graphs are solved in one MILP ("flat", exact).  Large ones are
-decomposed (`blocks.py`): the forward graph is cut into segments along the
-model chain; repeated blocks are found by structural hashing and each
-distinct segment is solved once, for a range of targets, giving a Pareto set
-of options (bytes kept into backward, transient peak, recompute cost); a
-dynamic program along the chain (a small MILP when backward does not visit
-the segments in reverse order) picks one option per segment, and more
-options are added around the chosen ones.  How far each MILP searches is a
-count of branch-and-bound nodes (`Settings`), never a time, so the plan
-depends only on the program, the budget and the options.  Every plan is
-built into an explicit schedule and checked with `simulate()`; when the real
-peak exceeds the budget (the decomposition is approximate) the combine step
-is tightened and re-solved, and only plans that fit are returned.
+Graphs of up to FLAT_MAX_DECISIONS decisions are solved in one MILP
+("flat", exact for the family), with its memory rows added as the plans it
+finds break them (`Planner.lazy_flat`).  Larger ones are decomposed
+(`blocks.py`): the forward graph is cut into segments along the model chain;
+repeated blocks are found by structural hashing and each distinct segment is
+solved once, for a range of targets, giving a Pareto set of options (bytes
+kept into backward, transient peak, recompute cost); a dynamic program along
+the chain (a small MILP when backward does not visit the segments in reverse
+order) picks one option per segment, and more options are added around the
+chosen ones.  Every plan is built into an explicit schedule and checked with
+`simulate()`; when the real peak exceeds the budget (the decomposition is
+approximate) the combine step is tightened and re-solved, and only plans
+that fit are returned.  How far each MILP searches is a count of
+branch-and-bound nodes (`Settings`), never a time, so the plan depends only
+on the program, the budget and the options.
 """
 from __future__ import annotations
 
@@ -48,10 +50,10 @@ from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 # plans it finds break them, is solved to optimality in seconds: no
 # decomposition, and a plan that depends on nothing but the program and the
 # budget.  Above it, decompose (when the graph has segments).
-FLAT_MAX_DECISIONS = 128
+FLAT_MAX_DECISIONS = 192
 LAZY_ROUNDS = 40  # rounds of adding rows before the flat MILP takes every row at once
-LAZY_ROUND_NODES = 500  # branch-and-bound nodes of a round that only learns rows
-FLAT_PROOF_NODES = 3000  # ... and of the last round, which looks for the cheapest plan
+LAZY_ROUND_NODES = 500  # branch-and-bound nodes of the first round, which only learns rows
+FLAT_PROOF_NODES = 3000  # ... and of the later rounds, which look for the cheapest plan
 # The flat MILP stops within this relative gap of its optimum: proving the
 # last fraction of a percent on chains of identical blocks (symmetric
 # decisions) can take a minute.
@@ -158,19 +160,14 @@ def _budget_int(nbytes: float | int, text) -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    """How hard the search works.  With `seconds` caps None, every limit is a
-    count (MILP branch-and-bound nodes, option levels): the plan depends only
-    on the program, the budget and these settings.  The caps in seconds make
-    the search faster and the plan dependent on the machine's speed and
-    load.  A node limit of None solves to the gap tolerance."""
+    """How hard the decomposed search works.  Every limit is a count (MILP
+    branch-and-bound nodes, option levels), never a time, so the plan depends
+    only on the program, the budget and these settings.  A node limit of None
+    solves to the gap tolerance."""
 
     option_nodes: int | None = None  # per option MILP of a block
     window_nodes: int | None = None  # per refinement-window MILP (two adjacent segments)
     combine_nodes: int | None = None  # per combine MILP (non-chain graphs)
-    option_seconds: float | None = None  # cap per option MILP (the two extremes get twice)
-    options_seconds: float | None = None  # cap on a program's first option sets, all classes
-    window_seconds: float | None = None  # cap per refinement-window MILP
-    combine_seconds: float | None = None  # cap per combine MILP
     option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
     kept_levels: int = 5  # option levels of bytes kept into backward ...
     kept_power: float = 1.5  # ... spaced by this power (denser near the least)
@@ -181,17 +178,13 @@ class Settings:
     all_windows: bool = False  # refine every pair of adjacent segments, not only a whole-graph window
     combine: str = "auto"  # "auto": the chain DP where it is exact, else the MILP; "milp": always the MILP
 
-    @property
-    def deterministic(self) -> bool:
-        return all(c is None for c in (self.option_seconds, self.options_seconds, self.window_seconds,
-                                       self.combine_seconds))
 
-
-# "full" limits each MILP by its gap tolerance only, so two runs give the same
-# plan on any machine; "fast" caps them in seconds (measured: node limits
-# alone do not make them fast, most of a solve is spent at the root).
+# Both efforts give the same plan on any machine at any load.  "fast" stops
+# each MILP at a node limit (with the memory rows added lazily, a block's
+# MILP is small enough that this is fast); "full" solves each to its gap
+# tolerance and refines every pair of adjacent segments.
 EFFORTS = {
-    "fast": Settings(option_seconds=1.0, options_seconds=12.0, window_seconds=15.0, combine_seconds=10.0),
+    "fast": Settings(option_nodes=500, window_nodes=3000, combine_nodes=3000),
     "full": Settings(fit_per_class=9, all_windows=True),
 }
 
@@ -324,7 +317,6 @@ class Planner:
         self.deadline = math.inf
         self.time_limited = False  # the safety time limit stopped some search
         self.segs = None  # the decomposition, once prepared
-        self.options_started = None
 
     def say(self, msg: str) -> None:
         if self.log:
@@ -349,11 +341,11 @@ class Planner:
         self.time_limited = True
         return True
 
-    def _solve(self, compiled, name: str, *, nodes: int | None, cap: float | None = None, **kw):
-        """One MILP under its node limit and, with effort "fast", its cap in
-        seconds; the safety time limit stops it too (the result then says so)."""
+    def _solve(self, compiled, name: str, *, nodes: int | None, **kw):
+        """One MILP under its node limit; the safety time limit stops it too
+        (the result then says so)."""
         left = max(self.deadline - time.perf_counter(), 0.05)
-        limit = min(left, cap if cap is not None else math.inf, 1e6)
+        limit = min(left, 1e6)
         kept, rec = compiled.solve(name, solver=self.solver, time_limit=limit, nodes=nodes,
                                    log=self.log, **kw)
         self.solves.append(rec)
@@ -397,13 +389,13 @@ class Planner:
         # the floor's 76 rows then a sweep's budgets: 16-32 s each, against
         # 2-5 s from scratch).
         active: set | None = {("s",)}
-        # Early rounds only need a plan to learn rows from, not a proof: they
-        # stop at a node limit (the first round, with the start row alone, is
-        # a knapsack that is slow to prove on chains of identical blocks).  A
-        # plan that breaks no row and is not proven optimal is searched
-        # again with a larger node limit; the plan is then the best found
-        # (its gap is in the solve record).  Node limits, unlike time
-        # limits, stop every machine at the same point.
+        # The first round only needs a plan to learn rows from, not a proof:
+        # it stops at a small node limit (with the start row alone it is a
+        # knapsack, slow to prove on chains of identical blocks).  Later
+        # rounds, and a first-round plan that breaks no row, search up to a
+        # larger node limit; the plan is then the best found (its gap is in
+        # the solve record).  Node limits, unlike time limits, stop every
+        # machine at the same point.
         nodes = LAZY_ROUND_NODES
         for rnd in range(2 * LAZY_ROUNDS):
             m = KeepModel(a).build(active)
@@ -435,6 +427,7 @@ class Planner:
                 nodes = FLAT_PROOF_NODES  # fits every row: now search on for a cheaper one
                 continue
             active |= new
+            nodes = FLAT_PROOF_NODES  # later rounds usually end the search: let them finish it
             if rnd + 1 >= LAZY_ROUNDS:
                 active = None
         return None
@@ -465,12 +458,10 @@ class Planner:
                  f"({time.perf_counter() - t0:.2f} s)")
         # Per class: Pareto options from the canonical instance.
         self.options: dict[int, list[Option]] = {}
-        self.options_started = time.perf_counter()
         for inst in classes.values():
             canon = inst[0]
             opts = self._class_options(canon) if canon.decisions else [frozenset()]
             self._evaluate_options(canon, inst, opts)
-        self.options_started = None
 
     def _is_chain(self) -> bool:
         """Backward visits the segments in reverse forward order, so what the
@@ -485,23 +476,37 @@ class Planner:
                 return False
         return True
 
-    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None,
-                     weight: float = 1.0):
-        """One MILP on a class's canonical segment; returns (kept, B value)."""
-        cm = self.class_models.get(canon.signature)
-        if cm is None:
-            m = KeepModel(self.a, nodes=canon.nodes, storages=canon.storages, fixed=self.fixed,
-                          mode="local", decisions=canon.decisions).build()
-            cm = self.class_models[canon.signature] = {"model": m}
-        c = cm.get(objective)
-        if c is None:
-            c = cm[objective] = cm["model"].compile(objective, tie_retained=1e-3 if objective == "cost" else 0.0)
-        if objective != "peak":
-            c.B.value = float(B) if B is not None else 1e18
-        c.Rcap.value = float(R) if R is not None else 1e18
-        cap = self.settings.option_seconds
-        kept, _ = self._solve(c, f"{canon.name} {label}", nodes=self.settings.option_nodes, warm=True,
-                              rel_gap=self.settings.option_gap, cap=None if cap is None else cap * weight)
+    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None):
+        """One MILP on a class's canonical segment; returns (kept, B value).
+
+        Like the flat search, it is solved with only the memory rows plans
+        break (`lazy_flat`), learned per class: a row one option's plan broke
+        is a row of every option of the class."""
+        a = self.a
+        cm = self.class_models.setdefault(canon.signature, {"rows": set(), "models": {}})
+        others = set(self.all_dec) - set(canon.decisions)
+        capped = objective == "peak" or B is not None  # without a memory cap no row matters
+        for _ in range(LAZY_ROUNDS):
+            rows = cm["rows"] if capped else set()
+            key = (objective, frozenset(rows))
+            c = cm["models"].get(key)
+            if c is None:
+                m = KeepModel(a, nodes=canon.nodes, storages=canon.storages, fixed=self.fixed,
+                              mode="local", decisions=canon.decisions).build(rows)
+                c = cm["models"][key] = m.compile(objective, tie_retained=1e-3 if objective == "cost" else 0.0)
+            if objective != "peak":
+                c.B.value = float(B) if B is not None else 1e18
+            c.Rcap.value = float(R) if R is not None else 1e18
+            kept, _ = self._solve(c, f"{canon.name} {label} ({len(rows)} memory rows)",
+                                  nodes=self.settings.option_nodes, warm=True, rel_gap=self.settings.option_gap)
+            if kept is None or not capped:
+                break
+            limit = float(c.B.value) + 0.5 if objective == "peak" else float(B)
+            prof = profile(a, a.keep_of(others | set(kept)), canon.storages)
+            new = set(c.m.rows_over(prof, limit)) - cm["rows"]
+            if not new:
+                break
+            cm["rows"] |= new
         bval = float(c.B.value) if (objective == "peak" and c.B.value is not None) else None
         return kept, bval
 
@@ -516,19 +521,19 @@ class Planner:
         def retained(k):
             return profile(a, a.keep_of(others | set(k)), canon.storages, with_constants=False).retained
 
-        def run(objective, label, B=None, R=None, weight=1.0):
-            if self.out_of_time() or self._options_spent():
+        def run(objective, label, B=None, R=None):
+            if self.out_of_time():
                 return None, None
-            kept, bval = self._solve_class(canon, objective, label, B=B, R=R, weight=weight)
+            kept, bval = self._solve_class(canon, objective, label, B=B, R=R)
             if kept is not None:
                 opts.append(frozenset(kept))
             return kept, bval
 
         r_all = retained(canon.decisions)
         # The two extremes first: they decide the floor.
-        k_min, _ = run("retained", "min kept", weight=2.0)
+        k_min, _ = run("retained", "min kept")
         r_min = retained(k_min) if k_min is not None else r_all
-        k_pk, p_min = run("peak", "min peak", weight=2.0)
+        k_pk, p_min = run("peak", "min peak")
         p_all = self._local_peak(canon, frozenset(canon.decisions))
         # Lower-transient options for the smallest kept sizes: the least
         # peak, then the cheapest plan at that peak.
@@ -550,12 +555,6 @@ class Planner:
                 pcap = p_min + (p_all - p_min) * (i / st.peak_levels) ** 1.5
                 run("cost", f"peak<={human_bytes(pcap)}", B=pcap * (1 + 1e-6) + 4096)
         return list(dict.fromkeys(opts))
-
-    def _options_spent(self) -> bool:
-        """With effort "fast": the first option sets have used their time."""
-        cap = self.settings.options_seconds
-        return cap is not None and self.options_started is not None \
-            and time.perf_counter() - self.options_started > cap
 
     def _local_peak(self, canon: Segment, kept: frozenset) -> float:
         """The local peak of an option as the segment's MILP counts it."""
@@ -722,10 +721,8 @@ class Planner:
         const[-1] = self._start_const()
         groups = [[c for c, (si, _) in enumerate(cols) if si == s.index] for s in segs]
         limit = max(self.deadline - time.perf_counter(), 0.05)
-        cap = self.settings.combine_seconds
         picked, rec = pick_options(A, const, np.array([o.cost for o in opt]), groups, budget,
-                                   name=f"combine {label}", solver=self.solver,
-                                   time_limit=min(limit, cap if cap is not None else math.inf, 1e6),
+                                   name=f"combine {label}", solver=self.solver, time_limit=min(limit, 1e6),
                                    nodes=self.settings.combine_nodes, log=self.log)
         self.solves.append(rec)
         if rec.seconds >= limit * 0.98:
@@ -828,8 +825,7 @@ class Planner:
                 continue
             c.y.value = np.array([1.0 if d in kept else 0.0 for d in c.m.dec])
             name = f"window {segs[i].name}+{segs[i + 1].name}"
-            got, _ = self._solve(c, name, nodes=self.settings.window_nodes, warm=True,
-                                 cap=self.settings.window_seconds)
+            got, _ = self._solve(c, name, nodes=self.settings.window_nodes, warm=True)
             if got is None:
                 continue
             if len(segs) == 2:
@@ -957,7 +953,15 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
         plan = base  # nothing to recompute
     else:
         mode = "decomposed" if pl.decompose else "flat"
-        plan = pl.decomposed_budget(budget) if pl.decompose else pl.lazy_flat(budget)
+        if pl.floor_plan is not None and pl.floor_plan.peak == budget:
+            # `--budget floor`: the floor search's plan (least peak, then least
+            # recompute) is the answer; searching again at its peak is the
+            # hardest budget there is.
+            plan, mode = pl.floor_plan, pl.floor_mode
+        elif pl.decompose:
+            plan = pl.decomposed_budget(budget)
+        else:
+            plan = pl.lazy_flat(budget)
         if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
             plan = None
         if plan is None:
