@@ -118,9 +118,7 @@ def test_budget(traced, name, budget):
 
 
 def test_cli_compile_budget_then_run_check(tmp_path, capsys):
-    # The command-line path end to end.  0.7, not 0.5: with effort "fast" the
-    # solver's wall-clock caps decide how close to the floor the search gets,
-    # and 0.5 of gpt2-tiny is near that edge (test_budget covers 0.5).
+    # The command-line path end to end (test_budget covers the other budgets).
     path = tmp_path / "tiny-0.7.rir"
     assert compile_main(["gpt2-tiny", "-o", str(path), "--budget", "0.7", "--scope", "activations",
                          "--time-limit", str(TIME_LIMIT), "--quiet"]) == 0

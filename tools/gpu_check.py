@@ -576,6 +576,12 @@ def _main(argv) -> int:
         return 0 if all(why.startswith("infeasible") for why in failed.values()) else 1
     methods, info = run(args, plans, failed)
     md, ok, js = report(args, methods, info, time.perf_counter() - t0)
+    write_report(args, md, js)
+    return 0 if ok else 1
+
+
+def write_report(args, md: str, js) -> None:
+    """The markdown table to stdout and to `--md`, the JSON to `--json`."""
     sys.stdout.write(md)
     if args.md:
         with open(args.md, "w") as f:
@@ -583,7 +589,6 @@ def _main(argv) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(js, f, indent=1)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Exit code 0 (the answers are data, not a verdict), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,11 +36,16 @@ if __package__ in (None, ""):  # run as a script from a checkout
 import torch
 
 
-def _settings(dev: torch.device) -> dict:
+def gpu_check():
+    """tools/gpu_check.py, whose settings record and report writer the probe shares."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_check import settings
+    import gpu_check as module
 
-    return settings(dev)
+    return module
+
+
+def _settings(dev: torch.device) -> dict:
+    return gpu_check().settings(dev)
 
 
 def _grads(module, inputs, loss_fn, seed):
@@ -187,14 +191,8 @@ def main(argv=None) -> int:
     lines += ["", "- settings: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device"),
               f"- wall time {time.perf_counter() - t0:.0f} s"]
     md = "\n".join(lines) + "\n"
-    sys.stdout.write(md)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": env, "rows": [{"question": q, "answer": ok, "evidence": why}
-                                                 for q, ok, why in rows]}, f, indent=1)
+    gpu_check().write_report(args, md, {"settings": env, "rows": [
+        {"question": q, "answer": ok, "evidence": why} for q, ok, why in rows]})
     return 0
 
 

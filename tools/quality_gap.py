@@ -6,11 +6,10 @@ the flat MILP to prove its optimum: a table of extra recompute.
 Models: `gpt2-tiny` (2 blocks, dropout on) and the same GPT without dropout
 (fewer ops, so the flat MILP proves more budgets).  Budgets are fractions of
 the unoptimized activation peak.  Each cell is one cold solve: the decomposed
-search with `effort="fast"` (per-block MILPs capped at about a second, so a
-busy machine can change it) and `effort="full"` (every per-block MILP to
-optimality: reproducible), the default search (`decompose=None`: on graphs
-this small it also solves the flat MILP, 15 s with "fast", and keeps the
-cheaper plan), and the flat MILP alone (`decompose=False`) with its status
+search with `effort="fast"` (per-block MILPs stop at 500 nodes) and
+`effort="full"` (every per-block MILP to its gap tolerance), the default
+search (`decompose=None`: on graphs this small, the flat MILP with its
+memory rows added as plans break them), and the flat MILP alone (`decompose=False`) with its status
 and optimality gap at `--flat-limit`.  The flat MILP is exact: where
 it says optimal, no plan of the family recomputes less.
 """

@@ -11,14 +11,14 @@ a CLI invocation would.  Budgets are fractions of the unoptimized peak in the
 scope.  `--gap` also solves each budget with the flat MILP (no
 decomposition) and prints the decomposed plan's extra recompute next to it.
 `--repeat N` solves each budget N times (cold) and prints every run's extra
-recompute: with `--effort fast` the per-block MILPs stop at time caps, so
-runs on a busy machine can differ; with `--effort full` they should not.
+recompute: every MILP stops at a node limit or its gap, never at a time, so
+the runs should agree.
 
 Columns: `recompute` is the extra FLOPs over the step's FLOPs; `MILPs` the
-number of MILPs solved (per-block option MILPs are capped at 1 s each: they
-sample the Pareto set, so their gap does not bound the plan's optimality);
-`proven` how many of them the solver proved optimal (the rest stopped at
-their time cap with an incumbent).  The combine step is an exact dynamic
+number of MILPs solved (with `--effort fast` per-block option MILPs stop at
+500 nodes: they sample the Pareto set, so their gap does not bound the
+plan's optimality); `proven` how many of them the solver proved optimal (the
+rest stopped at their node limit with an incumbent).  The combine step is an exact dynamic
 program on a chain; every plan's peak is the simulator's.
 """
 from __future__ import annotations

@@ -108,27 +108,6 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module] | None:
     return list(best) if best is not None else None
 
 
-def retarget_device(program, device: str):
-    """Point the `device=` arguments of a program traced on one device type at
-    another (plans are traced on CPU under FakeTensorMode, then run on CUDA)."""
-    from remat_ir import ir
-    from remat_ir.ir.fingerprint import fingerprint
-
-    def fix(a):
-        if isinstance(a, ir.Device):
-            return ir.Device(device if torch.device(a.name).type != torch.device(device).type else a.name)
-        if isinstance(a, ir.Seq):
-            return ir.Seq([fix(x) for x in a.items])
-        return a
-
-    for n in program.nodes:
-        n.args = [fix(a) for a in n.args]
-        n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
-    program.header.device = torch.device(device).type
-    program.header.fingerprint = fingerprint(program)
-    return program
-
-
 # ------------------------------------------------------------ the methods
 
 

@@ -601,25 +601,8 @@ class Compiled:
         relaxation at a time limit)."""
         m = self.m
         t0 = time.perf_counter()
-        status, objv, gap = "error", None, None
         keep = None
-        try:
-            with quiet_stdout(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self.problem.solve(solver=solver, warm_start=warm,
-                                   **solver_options(solver, max(time_limit, 0.05), rel_gap, nodes))
-            status = self.problem.status
-            objv = self.problem.value
-            gap = mip_gap(self.problem, solver)
-        except cp.error.SolverError as e:
-            status = f"error: {str(e)[:80]}"
-        except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
-            status = f"error: {type(e).__name__}: {str(e)[:80]}"
-        ok = status in ("optimal", "optimal_inaccurate", "user_limit")
-        if ok and status == "user_limit" and not has_solution(self.problem, solver):
-            # Stopped by the time limit before any incumbent: the values cvxpy
-            # reports are not a plan.
-            ok, status = False, "user_limit (no solution)"
+        ok, status, objv, gap = run_solver(self.problem, solver, time_limit, rel_gap, nodes, warm=warm)
         if ok and m.ny == 0:
             keep = set()
         elif ok and self.y.value is not None:
@@ -628,13 +611,38 @@ class Compiled:
                 keep = {d for d, v in zip(m.dec, yv) if v > 0.5}
             else:
                 status = status + " (fractional)"
-        rec = SolveRecord(name, status, None if objv is None else float(objv), gap,
+        rec = SolveRecord(name, status, objv, gap,
                           time.perf_counter() - t0, m.ny + m.nx, m.ny, m.n_constraints)
         if log:
             g = "-" if gap is None else f"{gap:.2%}"
             log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s "
                 f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows)")
         return keep, rec
+
+
+def run_solver(problem, solver: str, time_limit: float, rel_gap: float, nodes: int | None, *,
+               warm: bool = False):
+    """Solve a cvxpy MILP quietly.  Returns (whether it holds a solution,
+    status, objective, gap): a backend that fails is a failed solve, not a
+    crash, and a solve stopped before any incumbent holds no plan, whatever
+    values cvxpy reports."""
+    status, objv, gap = "error", None, None
+    try:
+        with quiet_stdout(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            problem.solve(solver=solver, warm_start=warm,
+                          **solver_options(solver, max(time_limit, 0.05), rel_gap, nodes))
+        status = problem.status
+        objv = None if problem.value is None else float(problem.value)
+        gap = mip_gap(problem, solver)
+    except cp.error.SolverError as e:
+        status = f"error: {str(e)[:80]}"
+    except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
+        status = f"error: {type(e).__name__}: {str(e)[:80]}"
+    ok = status in ("optimal", "optimal_inaccurate", "user_limit")
+    if ok and status == "user_limit" and not has_solution(problem, solver):
+        ok, status = False, "user_limit (no solution)"
+    return ok, status, objv, gap
 
 
 def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6, nodes: int | None = None) -> dict:
@@ -717,22 +725,12 @@ def pick_options(A: np.ndarray, const: np.ndarray, cost: np.ndarray, groups: lis
         obj = cp.Minimize(cosc @ z)
     prob = cp.Problem(obj, cons)
     t0 = time.perf_counter()
-    status, gap = "error", None
-    try:
-        with quiet_stdout(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prob.solve(solver=solver, **solver_options(solver, max(time_limit, 0.05), 1e-6, nodes))
-        status = prob.status
-        gap = mip_gap(prob, solver)
-    except Exception as e:  # noqa: BLE001 - a backend failing is a failed solve, not a crash
-        status = f"error: {str(e)[:80]}"
-    rec = SolveRecord(name, status, None if prob.value is None else float(prob.value), gap,
-                      time.perf_counter() - t0, n, n, A.shape[0] + len(groups))
+    ok, status, objv, gap = run_solver(prob, solver, time_limit, 1e-6, nodes)
+    rec = SolveRecord(name, status, objv, gap, time.perf_counter() - t0, n, n, A.shape[0] + len(groups))
     if log:
         g = "-" if gap is None else f"{gap:.2%}"
         log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
-    if status not in ("optimal", "optimal_inaccurate", "user_limit") or z.value is None \
-            or not has_solution(prob, solver):
+    if not ok or z.value is None:
         return None, rec
     zv = np.asarray(z.value)
     if np.any(np.abs(zv - np.round(zv)) > 1e-4):

@@ -341,17 +341,22 @@ class Planner:
         self.time_limited = True
         return True
 
-    def _solve(self, compiled, name: str, *, nodes: int | None, **kw):
-        """One MILP under its node limit; the safety time limit stops it too
-        (the result then says so)."""
+    def _timed(self, solve):
+        """Run `solve(time_limit)` (one MILP, which returns (result,
+        SolveRecord)) under what is left of the safety time limit; record the
+        solve, and note when that limit, not the MILP's own node limit or
+        gap, is what stopped it."""
         left = max(self.deadline - time.perf_counter(), 0.05)
-        limit = min(left, 1e6)
-        kept, rec = compiled.solve(name, solver=self.solver, time_limit=limit, nodes=nodes,
-                                   log=self.log, **kw)
+        got, rec = solve(min(left, 1e6))
         self.solves.append(rec)
         if rec.seconds >= left * 0.98:
             self.time_limited = True
-        return kept, rec
+        return got, rec
+
+    def _solve(self, compiled, name: str, *, nodes: int | None, **kw):
+        """One MILP of a `KeepModel` under its node limit (see `_timed`)."""
+        return self._timed(lambda limit: compiled.solve(name, solver=self.solver, time_limit=limit,
+                                                        nodes=nodes, log=self.log, **kw))
 
     # ---- evaluation
 
@@ -720,13 +725,9 @@ class Planner:
         const = np.zeros(len(rows))
         const[-1] = self._start_const()
         groups = [[c for c, (si, _) in enumerate(cols) if si == s.index] for s in segs]
-        limit = max(self.deadline - time.perf_counter(), 0.05)
-        picked, rec = pick_options(A, const, np.array([o.cost for o in opt]), groups, budget,
-                                   name=f"combine {label}", solver=self.solver, time_limit=min(limit, 1e6),
-                                   nodes=self.settings.combine_nodes, log=self.log)
-        self.solves.append(rec)
-        if rec.seconds >= limit * 0.98:
-            self.time_limited = True
+        picked, _ = self._timed(lambda limit: pick_options(
+            A, const, np.array([o.cost for o in opt]), groups, budget, name=f"combine {label}",
+            solver=self.solver, time_limit=limit, nodes=self.settings.combine_nodes, log=self.log))
         if picked is None:
             return None
         by_seg = {cols[c][0]: cols[c][1] for c in picked}
