@@ -52,6 +52,12 @@ def cache_dir() -> Path:
     return Path(base) / "remat-ir"
 
 
+def _uses_fsdp(model) -> bool:
+    from remat_ir.runtime.fsdp import uses_fsdp
+
+    return isinstance(model, torch.nn.Module) and uses_fsdp(model)
+
+
 def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = "activations",
          optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
          solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True):
@@ -67,7 +73,9 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     parameters, gradients and optimizer state; or "total").  `optimizer`,
     `cost`, `effort` (None: compile's default), `time_limit` and `solver`
     are `remat_ir.compile`'s.  `cache=False` keeps plans off disk.  `loss(output, *args,
-    **kwargs)`, when given, is part of the step.  Planning errors
+    **kwargs)`, when given, is part of the step.  A model sharded with
+    FSDP2's `fully_shard` gets a plan per FSDP unit, each for `budget` on
+    each rank (`remat_ir.runtime.fsdp`).  Planning errors
     (an infeasible budget, a model that cannot be traced) are raised at that
     first call."""
     if plan is not None:
@@ -79,7 +87,16 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
             plan = load_plan(plan)
         from remat_ir.runtime.interpret import wrap as wrap_plan
 
+        if _uses_fsdp(model):
+            raise ValueError("a plan made beforehand covers one whole model's step; a model sharded with "
+                             "fully_shard runs a plan per FSDP unit: wrap it with a budget, "
+                             "remat_ir.wrap(model, budget=...)")
         return wrap_plan(model, plan, loss, check_model=check_model)
+    if _uses_fsdp(model):
+        from remat_ir.runtime.fsdp import FSDPRemat
+
+        return FSDPRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
+                         time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans)
     return AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
                      time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans)
 
@@ -122,6 +139,10 @@ class AutoRemat(WrappedModule):
     def _plan(self, call) -> PlanRunner:
         from remat_ir import pipeline
 
+        if _uses_fsdp(self.module):
+            # Sharded after wrapping: the plan would read DTensor shards where it needs gathered parameters.
+            raise ValueError("the model was sharded with fully_shard after remat_ir.wrap; shard it first, "
+                             "then wrap it, so that each FSDP unit runs a plan of its own")
         o = self.options
         what = ", ".join(f"{n} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
                          for n, t in zip(call.names, call.tensors))

@@ -161,17 +161,17 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
 
 def budget_bytes(program: Program, budget, scope: str = "total", *, time_limit: float = TIME_LIMIT,
                  solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-                 planner=None) -> int:
+                 planner=None, exact: bool = False) -> int:
     """`budget` (see the module's docstring) in bytes, for `program` in
-    `scope`.  Raises BudgetError when it cannot be read.  `planner`: see `fit`."""
+    `scope`.  Raises BudgetError when it cannot be read.  A fraction is of
+    the traced step's unoptimized peak; "floor" is the smallest peak any
+    plan reaches, with the graph rewrites `exact` allows.  `planner`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     with _Clock(stats, "budget"):
         if isinstance(budget, str) and budget.strip().lower() == "floor":
-            from remat_ir.optimize.search import floor
-
-            nbytes = int(floor(program, scope, time_limit=time_limit, solver=solver, effort=effort,
-                               planner=planner))
+            planner = _rewrite_planner(program, scope, solver, effort, exact, planner)
+            nbytes = int(planner.floor(time_limit))
         else:
             from remat_ir.optimize.search import resolve_budget
 
@@ -182,6 +182,18 @@ def budget_bytes(program: Program, budget, scope: str = "total", *, time_limit: 
     if stats is not None:
         stats.budget = nbytes
     return nbytes
+
+
+def _rewrite_planner(program, scope, solver, effort, exact, planner):
+    from remat_ir.optimize.rewrites import RewritePlanner
+    from remat_ir.optimize.search import Planner
+
+    if isinstance(planner, RewritePlanner):
+        if planner.exact != exact:
+            raise ValueError("this planner was made with another `exact`")
+        return planner
+    return RewritePlanner(program, scope, solver=solver, effort=effort, exact=exact,
+                          planner=planner if isinstance(planner, Planner) else None)
 
 
 def _verified(program: Program, stats: CompileStats | None) -> Program:
@@ -196,31 +208,38 @@ def _verified(program: Program, stats: CompileStats | None) -> Program:
 
 def fit(program: Program, budget=None, *, scope: str = "total", time_limit: float = TIME_LIMIT,
         solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-        planner=None) -> Program:
+        planner=None, exact: bool = False) -> Program:
     """The plan for `program` (as `trace` returns it) whose predicted peak in
     `scope` fits `budget`, verified; without a budget, `program` itself,
-    verified.  `time_limit` is a safety stop: when it cuts the search short,
-    the plan's header says so.  To plan several budgets of one program, pass
-    the same `planner` (`remat_ir.optimize.search.Planner(program, scope)`):
-    the block options built for one budget serve the next."""
+    verified.  When recomputation alone cannot fit the budget, the optimizer
+    rewrites the graph (`remat_ir.rewrite`: a BatchNorm split, the LM head
+    and loss in chunks) and the plan's header lists the rewrites; `exact`
+    allows only those that keep eager's bits.  `time_limit` is a safety
+    stop: when it cuts the search short, the plan's header says so.  To plan
+    several budgets of one program, pass the same `planner`
+    (`remat_ir.optimize.rewrites.RewritePlanner(program, scope)`, or a
+    `remat_ir.optimize.search.Planner` for the graph itself): the work done
+    for one budget serves the next."""
     if budget is None:
         return _verified(program, stats)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     _check_optimizer_args(solver, effort)
-    from remat_ir.optimize.search import Planner, optimize
-
-    if planner is None:
-        planner = Planner(program, scope, solver=solver, effort=effort)
+    planner = _rewrite_planner(program, scope, solver, effort, exact, planner)
     nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
-                          stats=stats, planner=planner)
+                          stats=stats, planner=planner, exact=exact)
     with _Clock(stats, "optimize"):
-        result = optimize(program, nbytes, scope, time_limit=time_limit, solver=solver, effort=effort,
-                          planner=planner)
+        result = planner.optimize(nbytes, time_limit)
     if stats is not None:
         stats.optimized = result
+    header = result.program.header
+    if header.rewrites:
+        from remat_ir.rewrite import describe
+
+        header.comment.append(f"graph rewrites (the budget is below what recomputation alone reaches): "
+                              f"{describe(header.rewrites)}")
     if result.time_limited:
-        result.program.header.comment.append(
+        header.comment.append(
             f"the optimizer's time limit ({time_limit:g} s) cut its search short: this plan can "
             "differ between runs; raise the time limit for a reproducible one")
     return _verified(result.program, stats)
@@ -230,7 +249,7 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
             name: str | None = None, budget=None, scope: str = "total", optimizer: str = "none",
             fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5, time_limit: float = TIME_LIMIT,
             solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-            device: str | None = None) -> Program:
+            device: str | None = None, exact: bool = False) -> Program:
     """Trace one training step of `model(*args, **kwargs)` and plan it for `budget`
     (None: the unoptimized plan); the plan returned verifies.
 
@@ -238,14 +257,15 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     total budget include.  `effort` (graphs over 192 decisions, which are
     decomposed): "fast" stops each per-block MILP at a node limit; "full"
     solves each to its gap tolerance.  Either way the plan depends on the
-    model, the budget and the options alone."""
+    model, the budget and the options alone.  `exact`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     if budget is not None:
         _check_optimizer_args(solver, effort)  # before the trace, which can take minutes
     program = trace(model, args, kwargs, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
                     profile_repeats=profile_repeats, stats=stats, device=device)
-    return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats)
+    return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats,
+               exact=exact)
 
 
 def plan_device(program: Program, device: str | None = None) -> str:

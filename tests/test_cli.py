@@ -34,11 +34,11 @@ def test_verify_and_run_check_json(tiny_plan, capsys):
     assert "sound" in capsys.readouterr().out
     assert run_main([str(tiny_plan), "gpt2-tiny", "--steps", "2", "--check", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    for key in ("predicted_peak_bytes", "measured_peak_bytes", "grads_match", "max_abs_grad_diff",
-                "step_time_s", "eager_step_time_s"):
+    for key in ("predicted_peak_bytes", "measured_peak_bytes", "grads_match", "grads_bitwise", "loss_bitwise",
+                "max_rel_grad_diff", "max_abs_grad_diff", "step_time_s", "eager_step_time_s"):
         assert key in data
-    assert data["grads_match"] is True
-    assert data["max_abs_grad_diff"] == 0.0
+    assert data["grads_match"] is True and data["grads_bitwise"] is True and data["loss_bitwise"] is True
+    assert data["max_rel_grad_diff"] == 0.0 and data["max_abs_grad_diff"] == 0.0
     assert data["memory_within_tolerance"] is True
 
 
@@ -445,6 +445,7 @@ def test_check_gives_eager_and_the_plan_their_own_inputs(tmp_path, capsys):
     assert run_main([str(plan), str(f), "--steps", "3", "--check"]) == 0
     out = capsys.readouterr().out
     assert out.count("loss equal, gradients bitwise equal") == 3
+    assert "gradients: bitwise equal to eager" in out
 
 
 _NO_PARAMS = ("class M(torch.nn.Module):\n"
@@ -498,3 +499,71 @@ def test_compile_says_an_eval_model_is_traced_in_train_mode(tmp_path, capsys):
     f.write_text(f.read_text().replace("return m,", "m[1].eval()\n    return m,"))
     assert compile_main([str(f), "-o", str(tmp_path / "ev.rir")]) == 0
     assert "note: traced in train mode (submodule 1 was in eval mode)" in capsys.readouterr().out
+
+
+def _edited_plan(tmp_path, plan, old: str, new: str):
+    """`plan` with one op's constant changed (fingerprint blanked: a
+    fingerprinted plan with an edited graph is refused before it runs)."""
+    text = "\n".join('fingerprint ""' if ln.startswith("fingerprint ") else ln
+                     for ln in plan.read_text().split("\n"))
+    assert text.count(old) == 1
+    out = tmp_path / f"edited{len(list(tmp_path.glob('edited*')))}.rir"
+    out.write_text(text.replace(old, new))
+    return out
+
+
+def test_check_accepts_rounding_within_tolerance_and_says_bitwise_or_not(tmp_path, capsys):
+    f = _model_file(tmp_path, "noparams", _NO_PARAMS)
+    plan = tmp_path / "noparams.rir"
+    assert compile_main([str(f), "-o", str(plan), "--quiet"]) == 0
+    # 2.0000002 is 2 * (1 + 2**-23) in float32: the gradients move by float32's
+    # rounding, as a reordered sum would move them.
+    near = _edited_plan(tmp_path, plan, "aten.mul.Scalar(d.pow, 2.0)", "aten.mul.Scalar(d.pow, 2.0000002)")
+    args = ["--steps", "2", "--check", "--no-model-check"]
+    assert run_main([str(near), str(f), *args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["grads_match"] is True and data["grads_bitwise"] is False and data["loss_bitwise"] is True
+    assert 0.0 < data["max_rel_grad_diff"] < 1e-6 and data["max_abs_grad_diff"] > 0.0
+    assert run_main([str(near), str(f), *args]) == 0
+    out = capsys.readouterr().out
+    assert out.count("loss equal, gradients within tolerance (max relative difference ") == 2
+    assert "gradients: within tolerance (max relative difference " in out
+    assert "tolerance: relative 0.0001, 0.01 for float16/bfloat16" in out
+
+    wrong = _edited_plan(tmp_path, plan, "aten.mul.Scalar(d.pow, 2.0)", "aten.mul.Scalar(d.pow, 3.0)")
+    assert run_main([str(wrong), str(f), *args, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["grads_match"] is False and data["grads_bitwise"] is False and data["loss_bitwise"] is True
+    assert data["max_rel_grad_diff"] == pytest.approx(0.5, rel=1e-5)  # 3/2 of eager's gradient
+    assert run_main([str(wrong), str(f), *args]) == 1
+    out = capsys.readouterr().out
+    assert out.count("loss equal, gradients DIFFER (relative difference 0.5 at input ") == 2
+    assert "gradients: DIFFER from eager beyond the tolerance (relative difference 0.5 at input " in out
+
+
+def test_gradient_tolerance_by_dtype():
+    import torch
+
+    from remat_ir.runtime.run import (GRAD_RTOL, GRAD_RTOL_LOW_PRECISION, _close, grad_tolerance,
+                                      relative_difference)
+
+    assert GRAD_RTOL == 1e-4 and GRAD_RTOL_LOW_PRECISION == 1e-2
+    assert grad_tolerance(torch.float32) == grad_tolerance(torch.float64) == GRAD_RTOL
+    assert grad_tolerance(torch.float16) == grad_tolerance(torch.bfloat16) == GRAD_RTOL_LOW_PRECISION
+    assert grad_tolerance(torch.int64) == 0.0
+    want = torch.tensor([4.0, -2.0, 0.0])
+    # relative to the tensor's largest entry, not entry by entry: the 0.0 may move
+    assert relative_difference(want + torch.tensor([0.0, 0.0, 4e-5]), want) == pytest.approx(1e-5)
+    assert _close(want.clone(), want) == (True, True, 0.0)
+    assert _close(want * (1 + 1e-5), want)[:2] == (False, True)
+    assert _close(want * (1 + 1e-3), want)[:2] == (False, False)
+    assert _close(want.half() * (1 + 2e-3), want.half())[:2] == (False, True)
+    assert _close(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))[:2] == (False, False)
+    assert _close(torch.tensor([3]), torch.tensor([2]))[:2] == (False, False)  # integer state: exact
+    assert relative_difference(torch.zeros(2), torch.zeros(3)) == float("inf")
+    assert relative_difference(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_cnn_builtin_takes_no_seq(tmp_path, capsys):
+    assert compile_main(["resnet-mini", "-o", str(tmp_path / "r.rir"), "--seq", "4"]) == 2
+    assert "resnet-mini takes no sequence length" in capsys.readouterr().err

@@ -64,10 +64,17 @@ RULES = (
          applies=("remat_ir.ir",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("b", "only remat_ir.optimize imports numpy, scipy or cvxpy",
          applies=("remat_ir",), exempt=("remat_ir.optimize",), forbid=NUMERIC),
-    Rule("c", "remat_ir.check.verify imports of remat_ir only remat_ir.ir, remat_ir.check.simulate and "
-              "remat_ir.check.typecheck",
+    Rule("c", "remat_ir.check.verify imports of remat_ir only remat_ir.ir, remat_ir.check.simulate, "
+              "remat_ir.check.typecheck and remat_ir.check.rewrites",
          applies=("remat_ir.check.verify",), forbid=("remat_ir",),
-         allow=("remat_ir.ir", "remat_ir.check.simulate", "remat_ir.check.typecheck")),
+         allow=("remat_ir.ir", "remat_ir.check.simulate", "remat_ir.check.typecheck",
+                "remat_ir.check.rewrites")),
+    Rule("c", "remat_ir.check.rewrites imports of remat_ir only remat_ir.ir (it checks a rewritten "
+              "region without the code that rewrote it)",
+         applies=("remat_ir.check.rewrites",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
+    Rule("f", "remat_ir.rewrite (graph rewrites: Program -> Program) imports of remat_ir only remat_ir.ir "
+              "and itself, so the runtime can replay a plan's rewrites without the optimizer",
+         applies=("remat_ir.rewrite",), forbid=("remat_ir",), allow=("remat_ir.ir", "remat_ir.rewrite")),
     Rule("c", "remat_ir.check.typecheck imports of remat_ir only remat_ir.ir (it re-derives the graph's "
               "facts with torch, not with the tracer)",
          applies=("remat_ir.check.typecheck",), forbid=("remat_ir",), allow=("remat_ir.ir",)),

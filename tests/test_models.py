@@ -1,4 +1,5 @@
 """Built-in models and the example model files."""
+import copy
 import importlib.util
 import math
 import pathlib
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat_ir.models import BUILTINS, GPT, MLP, GPTConfig, build_builtin, describe_builtins
+from remat_ir.models import BUILTINS, GPT, MLP, GPTConfig, ResNet, build_builtin, describe_builtins
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -31,7 +32,8 @@ class _OpRecorder(TorchDispatchMode):
 
 
 def test_builtin_names_and_description():
-    for name in ["mlp", "gpt2-tiny", "gpt2-mid", "gpt2-mid8", "gpt2-small", "gpt2-medium", "gpt2-large"]:
+    for name in ["mlp", "gpt2-tiny", "gpt2-mid", "gpt2-mid8", "gpt2-small", "gpt2-medium", "gpt2-large",
+                 "resnet-mini", "resnet18"]:
         assert name in BUILTINS
         assert name in describe_builtins()
     with pytest.raises(KeyError):
@@ -197,3 +199,95 @@ def test_example_hf_gpt2():
     module2, _ = ex.build()
     for p1, p2 in zip(module.parameters(), module2.parameters()):
         assert torch.equal(p1, p2)
+
+
+# ------------------------------------------------------------------ ResNets
+
+
+def _fake_resnet18():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model, inputs = build_builtin("resnet18")
+    return mode, model, inputs
+
+
+def test_resnet_mini_builds_and_steps():
+    model, (x, y) = build_builtin("resnet-mini")
+    assert isinstance(model, ResNet) and model.training
+    assert BUILTINS["resnet-mini"].kind == BUILTINS["resnet18"].kind == "cnn"
+    assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32
+    assert y.shape == (8,) and y.dtype == torch.int64 and 0 <= int(y.min()) and int(y.max()) < 10
+    names = dict(model.named_modules())
+    for path in ["conv1", "bn1", "layer1.0.conv1", "layer1.0.bn2", "layer2.0.downsample.0",
+                 "layer2.0.downsample.1", "layer4.0.conv2", "avgpool", "fc"]:
+        assert path in names, path
+    assert names["layer1.0"].downsample is None  # same width and stride: identity shortcut
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 1 + 4 * 2 + 3
+    before = model.layer1[0].bn1.running_mean.clone()
+    loss = model(x, y)
+    assert loss.dim() == 0 and abs(loss.item() - math.log(10)) < 1.0
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert not torch.equal(model.layer1[0].bn1.running_mean, before)  # train mode: the stats moved
+    m2, (x2, y2) = build_builtin("resnet-mini", batch=3, seed=1)
+    assert x2.shape == (3, 3, 32, 32) and y2.shape == (3,)
+    assert not torch.equal(m2.conv1.weight, model.conv1.weight)
+
+
+def test_resnet_reproducible_and_refusals():
+    state = torch.get_rng_state()
+    m1, in1 = build_builtin("resnet-mini", seed=5)
+    m2, in2 = build_builtin("resnet-mini", seed=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(a, b) for a, b in zip(in1, in2))
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    with pytest.raises(ValueError, match="no dropout"):
+        build_builtin("resnet-mini", dropout=0.1)
+    with pytest.raises(ValueError, match="sequence length"):
+        build_builtin("resnet-mini", seq=4)
+    build_builtin("resnet-mini", dropout=None)  # None means "the model's own": accepted
+
+
+def test_resnet18_in_fake_mode_traces():
+    import remat_ir
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode, model, (x, y) = _fake_resnet18()
+    assert all(isinstance(p, FakeTensor) for p in model.parameters())
+    assert isinstance(x, FakeTensor) and x.shape == (8, 3, 96, 96) and y.shape == (8,)
+    assert sum(p.numel() for p in model.parameters()) == 11_181_642  # torchvision's, with a 10-class head
+    assert [len(getattr(model, f"layer{k}")) for k in range(1, 5)] == [2, 2, 2, 2]
+    assert [getattr(model, f"layer{k}")[0].conv1.out_channels for k in range(1, 5)] == [64, 128, 256, 512]
+    with mode:
+        plan = remat_ir.compile(model, (x, y))
+    assert remat_ir.verify(plan).ok
+    assert any(n.mutates for n in plan.nodes)  # batch norm's running statistics
+
+
+def _step_both(eager, wrapped, inputs, steps=2):
+    for step in range(steps):
+        torch.manual_seed(step)
+        le = eager(*inputs)
+        le.backward()
+        torch.manual_seed(step)
+        lp = wrapped(*inputs)
+        lp.backward()
+        assert torch.equal(le.detach(), lp.detach()), step
+        for (name, a), b in zip(eager.named_parameters(), wrapped.module.parameters()):
+            assert torch.equal(a.grad, b.grad), (step, name)
+        for (name, a), b in zip(eager.named_buffers(), wrapped.module.buffers()):
+            assert torch.equal(a, b), (step, name)
+
+
+@pytest.mark.parametrize("budget", [None, 0.6])
+def test_resnet_mini_plan_gradients_bitwise_equal_to_eager(budget):
+    import remat_ir
+
+    model, inputs = build_builtin("resnet-mini")
+    plan = remat_ir.compile(model, inputs, budget=budget, scope="activations")
+    assert remat_ir.verify(plan).ok
+    if budget is not None:
+        assert any(ins.kind == "recompute" for ins in plan.forward + plan.backward)
+    _step_both(copy.deepcopy(model), remat_ir.wrap(copy.deepcopy(model), plan), inputs)

@@ -323,7 +323,8 @@ class _Checker:
         hidden = self.hidden_mutators.get(n.op)
         if hidden is not None:
             flag, idx = hidden
-            training = n.args[flag] if len(n.args) > flag else n.kwargs.get("training", False)
+            training = True if flag is None else n.args[flag] if len(n.args) > flag else n.kwargs.get(
+                "training", False)
             if training is not True:
                 return []
             return [n.args[k].name for k in idx if k < len(n.args) and isinstance(n.args[k], Ref)]

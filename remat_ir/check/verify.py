@@ -50,6 +50,10 @@ The rules (the runtime semantics the interpreter and autograd implement):
   to the header's fingerprint (they were not edited after compiling), and
   every node, run on fake tensors of its declared operands, produces what
   its outputs declare (`remat_ir.check.typecheck`);
+* the graph rewrites the header lists compute what the regions they stand
+  for computed (`remat_ir.check.rewrites`: a chunked loss covers every row
+  once and sums every chunk once; a BatchNorm split updates the running
+  statistics once and normalizes purely);
 * with a budget in the header, the simulated peak (steady state and first
   step, whichever is larger) in the budget's scope fits it.
 """
@@ -66,6 +70,7 @@ from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.check.simulate import MemoryReport, SimulationError, simulate
+from remat_ir.check.rewrites import check_rewrites
 from remat_ir.check.typecheck import typecheck
 
 MAX_ERRORS = 50
@@ -171,6 +176,8 @@ def verify(program: Program, *, max_errors: int = MAX_ERRORS, graph: bool = True
         v.check_fingerprint()
         for loc, message in typecheck(program):
             v.err(loc, message)
+    for loc, message in check_rewrites(program):
+        v.err(loc, message)
     v.check_schedule()
     errors = v.errors
     report = first = None

@@ -56,6 +56,9 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="how hard the search on large graphs (over 192 decisions) works: fast stops each "
                         "per-block MILP at a node limit; full solves each to its gap tolerance. Both give "
                         "the same plan on any machine")
+    p.add_argument("--exact", action="store_true",
+                   help="allow only graph rewrites that keep eager's bits (the BatchNorm split), not the "
+                        "chunked LM head and loss, whose float sums run in another order")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
                         "measured on --device (needs real tensors: not with --fake)")
@@ -136,18 +139,19 @@ def _compile(argv) -> int:
                 profile_repeats=args.profile_repeats)
     solve = dict(scope=args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
     rows = None
+    exact = dict(exact=args.exact)
     # The step is traced in train mode whatever mode the model is in: say so.
     in_eval = [name for name, m in model.module.named_modules() if not m.training]
     try:
         program = trace(model.module, model.inputs, **step, stats=stats)
         _check_scalar_loss(program, args.model, model.loss)
         if not pareto:
-            program = fit(program, args.budget, **solve, stats=stats)
+            program = fit(program, args.budget, **solve, **exact, stats=stats)
         else:
             # Resolved before the sweep so a mistyped budget fails in a second, not after it.
-            budget = None if args.budget is None else budget_bytes(program, args.budget, **solve)
+            budget = None if args.budget is None else budget_bytes(program, args.budget, **solve, **exact)
             rows, t_sweep = _sweep(program, args, points, say)
-            program = fit(program, budget, **solve, stats=stats)
+            program = fit(program, budget, **solve, **exact, stats=stats)
     except BudgetError as e:
         raise CliError(f"--budget: {e}") from e
     except UnsoundPlan as e:
@@ -159,6 +163,10 @@ def _compile(argv) -> int:
         notes.append(f"swept {len(rows)} budgets in {t_sweep:.1f} s")
     if stats.optimized is not None:
         notes.append(f"optimized in {stats.seconds['optimize']:.1f} s: {overhead_text(program)}")
+    if program.header.rewrites:
+        from remat_ir.rewrite import describe
+
+        notes.append(f"graph rewrites: {describe(program.header.rewrites)}")
     if rows is not None:
         from remat_ir.optimize.pareto import plot
 
@@ -301,7 +309,10 @@ def _run(argv) -> int:
     p.add_argument("model")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
-    p.add_argument("--check", action="store_true", help="compare every gradient with eager PyTorch")
+    p.add_argument("--check", action="store_true",
+                   help="compare the loss, every gradient and the buffers with eager PyTorch: they must "
+                        "match within a relative tolerance (printed with the result), and the output says "
+                        "whether they are bitwise equal")
     p.add_argument("--json", action="store_true")
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
@@ -348,6 +359,9 @@ def _run(argv) -> int:
             "predicted_activation_peak_bytes": r.predicted.activation_peak_bytes,
             "memory_within_tolerance": ok_mem,
             "grads_match": r.grads_match,
+            "grads_bitwise": r.grads_bitwise,
+            "loss_bitwise": r.loss_bitwise,
+            "max_rel_grad_diff": r.max_rel_grad_diff,
             "max_abs_grad_diff": r.max_abs_grad_diff,
             "step_time_s": r.step_time,
             "eager_step_time_s": r.eager_step_time,
@@ -367,8 +381,8 @@ def _run(argv) -> int:
               f"ratio {r.step_time / r.eager_step_time:.3f}), median of {args.steps}")
         if r.checks:
             for c in r.checks:
-                print(f"check step {c.step}: loss {'equal' if c.loss_equal else 'DIFFERS'}, gradients "
-                      f"{'bitwise equal' if c.grads_equal else f'DIFFER (max abs {c.max_abs_grad_diff:.3g} at {c.worst})'}")
+                print(f"check step {c.step}: {_check_text(c)}")
+            print(_grads_summary(r))
         print(f"memory prediction {'within' if ok_mem else 'OUTSIDE'} 1% + 1 MiB")
     if args.check and not r.grads_match:
         return EXIT_FAIL
@@ -376,6 +390,37 @@ def _run(argv) -> int:
         print("remat-run: the measured peak is outside 1% + 1 MiB of the predicted one", file=sys.stderr)
         return EXIT_FAIL
     return EXIT_OK
+
+
+def _check_text(c) -> str:
+    """One step of --check: the loss, then the gradients (and buffers)."""
+    loss = "equal" if c.loss_equal else "within tolerance" if c.loss_close else "DIFFERS"
+    if c.grads_equal:
+        grads = "bitwise equal"
+    elif c.grads_close:
+        grads = f"within tolerance (max relative difference {c.max_rel_grad_diff:.2g})"
+    else:
+        grads = (f"DIFFER (relative difference {c.worst_rel_diff:.3g} at {c.worst}; "
+                 f"max abs gradient difference {c.max_abs_grad_diff:.3g})")
+    return f"loss {loss}, gradients {grads}"
+
+
+def _grads_summary(r) -> str:
+    """--check over all steps: bitwise, within the tolerance, or not."""
+    from remat_ir.runtime.run import GRAD_RTOL, GRAD_RTOL_LOW_PRECISION
+
+    tol = f"tolerance: relative {GRAD_RTOL:g}, {GRAD_RTOL_LOW_PRECISION:g} for float16/bfloat16"
+    if r.grads_bitwise:
+        text = "gradients: bitwise equal to eager"
+    elif all(c.grads_close for c in r.checks):
+        text = f"gradients: within tolerance (max relative difference {r.max_rel_grad_diff:.2g}; {tol})"
+    else:
+        bad = max((c for c in r.checks if not c.grads_close), key=lambda c: c.worst_rel_diff)
+        text = (f"gradients: DIFFER from eager beyond the tolerance (relative difference "
+                f"{bad.worst_rel_diff:.3g} at {bad.worst}, step {bad.step}; {tol})")
+    if not r.loss_bitwise:
+        text += "; loss " + ("within tolerance" if all(c.loss_close for c in r.checks) else "DIFFERS")
+    return text
 
 
 # ------------------------------------------------------------ show, bench

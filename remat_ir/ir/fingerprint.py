@@ -30,7 +30,8 @@ def fingerprint(program: Program) -> str:
     model and of its graph section."""
     h = program.header
     content = {
-        "header": {f: getattr(h, f) for f in _HEADER_HASHED},
+        # Rewrites only when there are some, so plans without any keep their fingerprints.
+        "header": {f: getattr(h, f) for f in _HEADER_HASHED} | ({"rewrites": h.rewrites} if h.rewrites else {}),
         "values": [_facts(v) for v in program.values],
         "nodes": [_facts(n) for n in program.nodes],
         "outputs": [[o.kind, o.key, o.value] for o in program.outputs],

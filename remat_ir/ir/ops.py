@@ -92,11 +92,12 @@ dropout_scale = torch.ops.remat.dropout_scale.default
 nll_log_softmax_backward = torch.ops.remat.nll_log_softmax_backward.default
 RANDOM_OPS = frozenset({dropout_keep})
 
-# Ops that update operands in place in training mode without an alias
+# Ops that update operands in place (in training mode) without an alias
 # annotation in their schema (BatchNorm's running stats): op name -> (index
-# of the `training` flag, indices of the operands updated).  The tracer marks
-# them `mutates(...)`; the verifier's type check expects it.
+# of the `training` flag, None: always; indices of the operands updated).
+# The tracer marks them `mutates(...)`; the verifier's type check expects it.
 HIDDEN_MUTATORS = {
+    "aten.batch_norm_update_stats.default": (None, (1, 2)),
     "aten.native_batch_norm.default": (5, (3, 4)),
     "aten.cudnn_batch_norm.default": (5, (3, 4)),
     "aten.miopen_batch_norm.default": (5, (3, 4)),

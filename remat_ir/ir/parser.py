@@ -83,7 +83,7 @@ _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 # expects it: elsewhere the same word is a name.
 KEYWORDS = frozenset({
     "rir", "model", "fingerprint", "device", "cost", "flops", "profile", "optimizer", "bytes",
-    "budget", "total", "activations", "has_loss", "output_spec", "true", "false",
+    "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "true", "false",
     "values", "input", "param", "buffer", "tangent", "value", "stride", "view", "of", "source",
     "requires_grad", "aliases", "graph", "forward", "backward", "_", "none", "inf", "nan",
     "module", "random", "mutates", "time_us", "compute", "recompute", "free", "outputs",
@@ -400,6 +400,11 @@ class _Reader:
             n = self.integer("the budget in bytes (an integer)")
             self.expect_keyword("bytes")
             h.budget = Budget(bytes=n, scope=self.choice(("total", "activations")))
+        elif field == "rewrites":
+            h.rewrites = [self.word_value("a rewrite (batchnorm_split, chunked_loss:8)")]
+            while self.follows(","):
+                self.i += 1
+                h.rewrites.append(self.word_value("a rewrite (batchnorm_split, chunked_loss:8)"))
         else:
             h.has_loss = self.choice(("true", "false")) == "true"
 

@@ -208,6 +208,8 @@ class _Printer:
                                          human_bytes(h.budget.bytes)))
         hl["has_loss"] = emit(f"has_loss {'true' if h.has_loss else 'false'}")
         hl["output_spec"] = emit(f"output_spec {_quote(h.output_spec)}")
+        if h.rewrites:
+            hl["rewrites"] = emit(f"rewrites {', '.join(_word(r) for r in h.rewrites)}")
 
         inline = _inline_values(p)
         listed = [v for v in p.values if v.name not in inline]

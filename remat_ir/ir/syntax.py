@@ -19,6 +19,7 @@ The grammar is `grammar/rir.lark` (installed as the package data of
     budget 3365000 bytes activations            # 3.21 MiB   (line absent: no budget)
     has_loss true
     output_spec "[1, {\\"type\\": null, ...}]"
+    rewrites chunked_loss:8                     # graph rewrites applied (line absent: none)
 
     values
       idx                     input  i64[2,64]      1024 bytes  source idx      # 1.0 KiB
@@ -150,7 +151,8 @@ LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "spars
 MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format", "channels_last",
                             "channels_last_3d"})
 SPECIALS = ("inf", "-inf", "nan")
-HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec")
+HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec",
+                 "rewrites")
 VALUE_DECL_KINDS = (INPUT, PARAM, BUFFER, TANGENT, VALUE)
 
 # Keywords that can stand where a name can, so a value of that name is

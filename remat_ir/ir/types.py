@@ -174,6 +174,10 @@ class Header(msgspec.Struct, omit_defaults=True):
     budget: Budget | None = None
     output_spec: str = ""  # torch.utils._pytree treespec of the forward results, serialized
     has_loss: bool = False  # the program includes the loss function given at compile time
+    # Graph rewrites applied to the traced step, in order (`remat_ir.rewrite`):
+    # "batchnorm_split", "chunked_loss:8".  Applying them to a fresh trace of
+    # the model gives this graph again.
+    rewrites: list[str] = []
     comment: list[str] = []  # free text printed as `#` lines at the top
     # Header line name (`rir`, `model`, `fingerprint`, `device`, `cost`, `optimizer`,
     # `budget`, `has_loss`, `output_spec`) -> its 1-based `.rir` line, for messages;

@@ -2,7 +2,8 @@
 
 ``build_builtin(name, batch=None, seq=None, device="cpu", seed=0)`` returns
 ``(module, example_inputs)``; ``module(*example_inputs)`` is the scalar training
-loss.  Model initialisation and inputs are both seeded by ``seed`` (the global
+loss.  Kinds: ``gpt`` (nanoGPT-style GPT-2), ``mlp`` and ``cnn`` (a ResNet of
+BasicBlocks with batch norm).  Model initialisation and inputs are both seeded by ``seed`` (the global
 RNG state is left untouched).  Everything also works inside
 ``torch._subclasses.fake_tensor.FakeTensorMode()``: parameters and inputs are
 then fake tensors, so big models can be planned without allocating.
@@ -16,18 +17,21 @@ import torch
 
 from .gpt import GPT, GPTConfig
 from .mlp import MLP
+from .resnet import ResNet, ResNetConfig
 
-__all__ = ["BUILTINS", "BuiltinSpec", "GPT", "GPTConfig", "MLP", "build_builtin", "describe_builtins"]
+__all__ = ["BUILTINS", "BuiltinSpec", "GPT", "GPTConfig", "MLP", "ResNet", "ResNetConfig", "build_builtin",
+           "describe_builtins"]
 
 
 @dataclass(frozen=True)
 class BuiltinSpec:
-    kind: str  # "gpt" or "mlp"
+    kind: str  # "gpt", "mlp" or "cnn"
     batch: int
     seq: Optional[int]  # sequence length (GPT only)
     description: str
     gpt: Optional[GPTConfig] = None
     mlp: dict = field(default_factory=dict)
+    cnn: Optional[ResNetConfig] = None
 
 
 BUILTINS: dict[str, BuiltinSpec] = {
@@ -48,6 +52,16 @@ BUILTINS: dict[str, BuiltinSpec] = {
                                gpt=GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024)),
     "gpt2-large": BuiltinSpec("gpt", 4, 512, "GPT-2 large: 36 layers, d=1280, 20 heads (774 M params)",
                               gpt=GPTConfig(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, block_size=1024)),
+    # Small enough for a real step in well under a second on a CPU: the
+    # batch-norm model the tests run against eager.
+    "resnet-mini": BuiltinSpec("cnn", 8, None, "ResNet 4 stages x 2 BasicBlocks, widths 8/16/32/64, batch norm, "
+                                               "3x32x32 images -> 10 classes",
+                               cnn=ResNetConfig(widths=(8, 16, 32, 64), blocks=(2, 2, 2, 2), n_classes=10,
+                                                image_size=32, stem="cifar")),
+    "resnet18": BuiltinSpec("cnn", 8, None, "ResNet-18: 4 stages x 2 BasicBlocks, widths 64/128/256/512, "
+                                            "7x7 stem + max pool, 3x96x96 images -> 10 classes (11.2 M params)",
+                            cnn=ResNetConfig(widths=(64, 128, 256, 512), blocks=(2, 2, 2, 2), n_classes=10,
+                                             image_size=96, stem="imagenet")),
 }
 
 
@@ -67,12 +81,19 @@ def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = N
 
     Returns ``(module, example_inputs)`` with the module in training mode on
     ``device``.  GPT inputs are ``(idx, targets)`` int64 of shape
-    ``(batch, seq)``; MLP inputs are ``(x float32 (batch, d_in), y int64 (batch,))``.
-    ``dropout`` overrides the model's dropout probability when given.
+    ``(batch, seq)``; MLP inputs are ``(x float32 (batch, d_in), y int64 (batch,))``;
+    CNN inputs are ``(x float32 (batch, 3, H, W), y int64 (batch,))``.
+    ``dropout`` overrides the model's dropout probability when given (the CNNs
+    have none, and refuse one).
     """
     if name not in BUILTINS:
         raise KeyError(f"unknown built-in model {name!r}; choose from {', '.join(BUILTINS)}")
     spec = BUILTINS[name]
+    if spec.kind == "cnn" and dropout is not None:
+        raise ValueError(f"the {name} model has no dropout layers, so dropout={dropout!r} cannot apply; "
+                         f"leave dropout unset")
+    if spec.kind != "gpt" and seq is not None:
+        raise ValueError(f"the {name} model takes no sequence length")
     batch = spec.batch if batch is None else int(batch)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -87,6 +108,8 @@ def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = N
             if dropout is not None:
                 cfg = GPTConfig(**{**cfg.__dict__, "dropout": float(dropout)})
             model = GPT(cfg)
+        elif spec.kind == "cnn":
+            model = ResNet(spec.cnn)
         else:
             kw = dict(spec.mlp)
             if dropout is not None:
@@ -104,9 +127,12 @@ def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = N
         idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen, dtype=torch.int64)
         targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen, dtype=torch.int64)
         inputs = (idx.to(device), targets.to(device))
+    elif spec.kind == "cnn":
+        size = spec.cnn.image_size
+        x = torch.randn(batch, 3, size, size, generator=gen, dtype=torch.float32)
+        y = torch.randint(0, spec.cnn.n_classes, (batch,), generator=gen, dtype=torch.int64)
+        inputs = (x.to(device), y.to(device))
     else:
-        if seq is not None:
-            raise ValueError("the mlp model takes no sequence length")
         x = torch.randn(batch, model.d_in, generator=gen, dtype=torch.float32)
         y = torch.randint(0, model.n_classes, (batch,), generator=gen, dtype=torch.int64)
         inputs = (x.to(device), y.to(device))

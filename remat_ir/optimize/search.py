@@ -924,7 +924,7 @@ def floor(program: Program, scope: str = "total", *, time_limit: float = DEFAULT
 def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
              time_limit: float = DEFAULT_TIME_LIMIT, solver: str = "HIGHS", log=None,
              decompose: bool | None = None, effort: str | Settings = "fast",
-             planner: Planner | None = None) -> OptimizeResult:
+             planner: Planner | None = None, prove: bool = True) -> OptimizeResult:
     """A plan for `program` whose simulated peak in `scope` fits `budget_bytes`
     (first step and steady state), with the least recompute cost the search
     finds.  Raises `Infeasible` below the floor.
@@ -934,7 +934,10 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
     the options.  `time_limit` is a safety stop: when it cuts the search
     short, `OptimizeResult.time_limited` says so, and the plan may then
     differ from run to run.  A `planner` (one per program and scope) shares
-    block options between budgets."""
+    block options between budgets.  With `prove=False`, a search that finds
+    no plan raises `Infeasible` at once (floor unknown: 0) instead of
+    searching for the floor, which can take much longer: for a caller that
+    has other graphs to try."""
     t0 = time.perf_counter()
     budget = int(budget_bytes)
     solver = solver.upper()
@@ -965,6 +968,8 @@ def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
             plan = pl.lazy_flat(budget)
         if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
             plan = None
+        if plan is None and not prove and pl.floor_plan is None:
+            raise Infeasible(f"no plan found for budget {human_bytes(budget)} ({scope})", 0, budget, scope)
         if plan is None:
             fp = pl.floor_plan_for()
             if fp.peak > budget:

@@ -130,6 +130,14 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
     finally:
         model.train(was_training)
+    if program.header.rewrites:
+        from remat_ir.rewrite import NotApplicable, apply
+
+        try:
+            fresh = apply(fresh, program.header.rewrites)
+        except NotApplicable as e:
+            raise PlanMismatch(f"the plan's rewrites ({', '.join(program.header.rewrites)}) do not apply to "
+                               f"this model's step: {e}; {_RECOMPILE}", program.header.lines.get("rewrites", 0)) from e
     difference, line = _first_difference(program, fresh)
     if difference:
         raise PlanMismatch(f"this model no longer produces the plan's graph: {difference}; {_RECOMPILE}",

@@ -32,6 +32,11 @@ Scope and caveats
       recorded any more: measure the whole step inside one ``with`` block.
     * Works under ``FakeTensorMode`` too (enter the fake mode first, then the
       tracker): fake tensors have meta storages with correct ``nbytes``.
+    * A storage resized in place (``untyped_storage().resize_(n)``, no aten
+      op: FSDP2 frees and re-gathers its unsharded parameters so) counts by
+      its new size while the mode is active: a tracked or registered storage
+      grows or shrinks, and one the tracker has not seen, grown from empty,
+      is new memory.
 
 `measure_step` wraps a step: on CPU (and fake/meta) with `StorageTracker`; on
 CUDA with the caching allocator's statistics.
@@ -99,6 +104,30 @@ class StorageTracker(TorchDispatchMode):
         # Let dynamo trace through the mode so compiled graphs' ops are seen
         # (otherwise dynamo silently falls back to eager under a mode).
         return True
+
+    def __enter__(self):
+        _Resizes.enter(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _Resizes.exit(self)
+        return super().__exit__(*exc)
+
+    def _resized(self, s: torch.UntypedStorage, old: int) -> None:
+        key, new = s._cdata, s.nbytes()
+        if key in self._live:
+            self.allocated_bytes += max(0, new - self._live[key])
+            self._live[key] = new
+            self._add(new - old)
+        elif key in self._registered:
+            cat, nb = self._registered[key]
+            self._registered[key] = (cat, new)
+            # A baseline storage shrunk is baseline memory freed (and grown again, taken back).
+            self.freed_baseline_bytes += nb - new
+            self._add(0)
+        elif new > 0 and old == 0:
+            self._op = "UntypedStorage.resize_"
+            self._track(s, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -206,6 +235,38 @@ class StorageTracker(TorchDispatchMode):
     def __repr__(self) -> str:
         return (f"StorageTracker(live={self.live_bytes / MiB:.3f} MiB, peak={self.peak_bytes / MiB:.3f} MiB, "
                 f"baseline={self.baseline_bytes / MiB:.3f} MiB)")
+
+
+class _Resizes:
+    """Routes `UntypedStorage.resize_` to the active trackers: the method is
+    wrapped while at least one tracker is active, and restored after."""
+
+    active: list = []
+    original = None
+
+    @classmethod
+    def enter(cls, tracker: StorageTracker) -> None:
+        if not cls.active:
+            cls.original = original = torch.UntypedStorage.resize_
+
+            def resize_(storage, size, _original=original):
+                old = storage.nbytes()
+                out = _original(storage, size)
+                if storage.nbytes() != old:
+                    for t in list(cls.active):
+                        t._resized(storage, old)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_
+        cls.active.append(tracker)
+
+    @classmethod
+    def exit(cls, tracker: StorageTracker) -> None:
+        if tracker in cls.active:
+            cls.active.remove(tracker)
+        if not cls.active and cls.original is not None:
+            torch.UntypedStorage.resize_ = cls.original
+            cls.original = None
 
 
 # ---------------------------------------------------------------- step measure

@@ -537,7 +537,7 @@ def _mutated_indices(n) -> list[int]:
     key = _op_string(op)
     if key in HIDDEN_MUTATORS:
         flag, idx = HIDDEN_MUTATORS[key]
-        training = n.args[flag] if len(n.args) > flag else False
+        training = True if flag is None else n.args[flag] if len(n.args) > flag else False
         return [i for i in idx if training and i < len(n.args) and isinstance(n.args[i], torch.fx.Node)]
     out = []
     for i, a in enumerate(op._schema.arguments):

@@ -1,0 +1,307 @@
+"""Checking a plan's graph rewrites, independently of the code that made them.
+
+A plan's header lists the rewrites applied to the traced step
+(`Header.rewrites`).  The runtime proves the graph is this model's (it
+traces the model again and replays the list); this module proves, from the
+plan alone, that each rewritten region computes what the region it stands
+for computed:
+
+* ``chunked_loss:K``: exactly K `nll_loss_forward` nodes, each summing
+  `log_softmax` (over the last dim) of one chunk's logits, a chunk being
+  rows [a, b) of one activation `x` times the transpose of one weight (plus
+  one bias), or rows [a, b) of one logits tensor, with rows [a, b) of one
+  target; the chunks' rows are disjoint and cover every row once; the loss is
+  the sum of the K chunk losses, each counted once, over the sum of the K
+  target counts (for a mean).  In backward, each chunk's logits gradient is
+  the loss backward of that chunk (the same scaled loss gradient for all);
+  the activation's gradient concatenates, in row order, one `g_i @ W` per
+  chunk; the weight's gradient is `g_0.T @ x_0` accumulated in place with
+  `g_i.T @ x_i` for every other chunk once (the bias's: the row sums).
+* ``batchnorm_split``: every `batch_norm_update_stats` (the running-stat
+  update) has a `native_batch_norm` on the same input, in training, with
+  the same momentum, that reads no running statistics.
+
+    check_rewrites(program) -> [(loc, message)]      loc: (section, index, line)
+"""
+from __future__ import annotations
+
+from remat_ir.ir.types import BACKWARD, FORWARD, Program, Ref, Seq, arg_refs
+
+__all__ = ["check_rewrites"]
+
+_KNOWN = ("batchnorm_split", "chunked_loss")
+
+
+def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
+    """Every way in which `program`'s rewritten regions differ from what
+    its header's rewrites promise; [] when none."""
+    errors: list[tuple[tuple, str]] = []
+    line = program.header.lines.get("rewrites", 0)
+    for spec in program.header.rewrites:
+        name, _, arg = spec.partition(":")
+        if name == "chunked_loss" and arg.isdigit() and int(arg) >= 2:
+            errors += [(("header", -1, line), f"rewrite {spec}: {m}") if loc is None else (loc, m)
+                       for loc, m in _Chunks(program, int(arg)).check()]
+        elif name == "batchnorm_split" and not arg:
+            errors += _batchnorm(program)
+        else:
+            errors.append((("header", -1, line), f"unknown rewrite {spec!r}: remat-ir knows "
+                                                 f"{', '.join(_KNOWN)} (chunked_loss:K, K >= 2 chunks)"))
+    return errors
+
+
+def _loc(n) -> tuple:
+    return ("nodes", -1, n.line)
+
+
+class _Chunks:
+    def __init__(self, program: Program, k: int):
+        self.p = program
+        self.k = k
+        self.values = program.value_map()
+        self.producer = program.producer_map()
+        self.errors: list = []
+        self.count = None  # the mean's divisor: the sum of the chunks' target counts
+
+    def fail(self, message: str, node=None):
+        self.errors.append((None if node is None else _loc(node), message))
+
+    def made_by(self, value, op: str):
+        """The node making `value` when it calls `op`, else None."""
+        if not isinstance(value, Ref):
+            return None
+        n = self.producer.get(value.name)
+        return n if n is not None and n.op == op else None
+
+    def rows(self, value, phase=FORWARD):
+        """(source, a, b) when `value` is rows [a, b) of `source`."""
+        n = self.made_by(value, "aten.slice.Tensor")
+        if n is None or n.args[1] != 0 or len(n.args) != 4 or not isinstance(n.args[0], Ref):
+            return None
+        a, b = n.args[2], n.args[3]
+        return n.args[0].name, a, b
+
+    def check(self) -> list:
+        nlls = [n for n in self.p.nodes if n.op == "aten.nll_loss_forward.default" and n.phase == FORWARD]
+        if len(nlls) != self.k:
+            self.fail(f"the graph has {len(nlls)} nll_loss_forward nodes, not {self.k} chunks")
+            return self.errors
+        chunks = []
+        for n in nlls:
+            c = self.chunk(n)
+            if c is None:
+                return self.errors
+            chunks.append(c)
+        first = chunks[0]
+        for c in chunks[1:]:
+            for key in ("x", "weight_t", "bias", "logits", "target", "ignore_index", "mode"):
+                if c[key] != first[key]:
+                    self.fail(f"chunk {c['node'].name} reads another {key} than {first['node'].name}", c["node"])
+                    return self.errors
+        chunks.sort(key=lambda c: c["a"])
+        n_rows = self.values[first["target"]].shape[0]
+        edge = 0
+        for c in chunks:
+            if c["a"] != edge or c["b"] <= c["a"]:
+                self.fail(f"chunk {c['node'].name} covers rows [{c['a']}, {c['b']}); the chunks must cover "
+                          f"rows 0..{n_rows} each once, in pieces, and the next starts at {edge}", c["node"])
+                return self.errors
+            edge = c["b"]
+        if edge != n_rows:
+            self.fail(f"the chunks cover rows 0..{edge} of {n_rows}")
+            return self.errors
+        self.check_loss(chunks)
+        if not self.errors:
+            self.check_backward(chunks, n_rows)
+        return self.errors
+
+    def chunk(self, nll):
+        lp, target, weight, reduction, ignore_index = nll.args[:5]
+        if weight is not None or reduction != 2:
+            self.fail(f"{nll.name} must sum (reduction 2) without class weights", nll)
+            return None
+        lsm = self.made_by(lp, "aten._log_softmax.default")
+        if lsm is None or lsm.args[1] not in (1, -1) or lsm.args[2] is not False:
+            self.fail(f"{nll.name} does not read a log_softmax over the last dim", nll)
+            return None
+        t = self.rows(target)
+        logits = lsm.args[0]
+        mm = self.made_by(logits, "aten.mm.default") or self.made_by(logits, "aten.addmm.default")
+        c = {"node": nll, "lsm": lsm, "ignore_index": ignore_index, "bias": None, "weight_t": None,
+             "logits": None, "x": None}
+        if mm is not None:
+            bias, x, wt = (mm.args[0], mm.args[1], mm.args[2]) if mm.op == "aten.addmm.default" else (
+                None, *mm.args[:2])
+            xr = self.rows(x)
+            if xr is None or len(mm.args) > (3 if bias is not None else 2):
+                self.fail(f"{mm.name}: a chunk's logits must be rows [a, b) of one activation times a "
+                          "weight's transpose", mm)
+                return None
+            c.update(mode="matmul", x=xr[0], weight_t=wt.name, bias=bias.name if bias else None, a=xr[1],
+                     b=xr[2], x_chunk=x.name)
+        else:
+            lr = self.rows(logits)
+            if lr is None:
+                self.fail(f"{lsm.name}: a chunk's logits must be a matmul of rows of one activation, or "
+                          "rows of one logits tensor", lsm)
+                return None
+            c.update(mode="slice", logits=lr[0], a=lr[1], b=lr[2])
+        if t is None or (t[1], t[2]) != (c["a"], c["b"]):
+            self.fail(f"{nll.name}: the targets must be the same rows [{c['a']}, {c['b']}) as the logits", nll)
+            return None
+        c["target"], c["target_chunk"] = t[0], target.name
+        return c
+
+    def sum_of(self, value: str) -> list[str] | None:
+        """The leaves of the tree of `aten.add.Tensor` that makes `value`."""
+        n = self.producer.get(value)
+        if n is None or n.op != "aten.add.Tensor" or len(n.args) != 2:
+            return [value]
+        out = []
+        for a in n.args:
+            if not isinstance(a, Ref):
+                return None
+            sub = self.sum_of(a.name)
+            if sub is None:
+                return None
+            out += sub
+        return out
+
+    def check_loss(self, chunks):
+        losses = sorted(c["node"].outputs[0] for c in chunks)
+        counts = sorted(c["node"].outputs[1] if len(c["node"].outputs) > 1 else "" for c in chunks)
+        readers = {}
+        for n in self.p.nodes:
+            for r in {r for a in list(n.args) + list(n.kwargs.values()) for r in arg_refs(a)}:
+                readers.setdefault(r, []).append(n)
+        # The loss: the add tree over every chunk loss, maybe divided by the count tree.
+        top = None
+        for n in self.p.nodes:
+            if n.phase != FORWARD or n.op not in ("aten.add.Tensor", "aten.div.Tensor"):
+                continue
+            leaves = self.sum_of(n.outputs[0]) if n.op == "aten.add.Tensor" else None
+            if n.op == "aten.add.Tensor" and leaves is not None and sorted(leaves) == losses:
+                top = n
+        if top is None:
+            self.fail("no sum of the chunk losses with each chunk counted once")
+            return
+        self.loss_sum = top.outputs[0]
+        self.count = None
+        divs = [n for n in readers.get(top.outputs[0], []) if n.op == "aten.div.Tensor" and n.phase == FORWARD]
+        if divs:
+            d = divs[0]
+            if not (isinstance(d.args[1], Ref) and sorted(self.sum_of(d.args[1].name) or []) == counts):
+                self.fail(f"{d.name}: a mean loss divides the sum by the sum of every chunk's target count", d)
+                return
+            self.count = d.args[1].name
+
+    def check_backward(self, chunks, n_rows):
+        producer = self.producer
+        grads, per_chunk = set(), {}
+        for c in chunks:
+            lp = c["lsm"].outputs[0]
+            gl = [n for n in self.p.nodes if n.phase == BACKWARD and n.op in (
+                "remat.nll_log_softmax_backward.default", "aten.nll_loss_backward.default")
+                and len(n.args) > 2 and n.args[1] == Ref(lp)]
+            if len(gl) != 1:
+                self.fail(f"chunk {c['node'].name} has {len(gl)} loss backward nodes, not one", c["node"])
+                return
+            g = gl[0]
+            if g.args[2] != Ref(c["target_chunk"]):
+                self.fail(f"{g.name}: the chunk's loss backward must read the chunk's own targets", g)
+                return
+            if g.args[4] != 2 or g.args[5] != c["ignore_index"]:
+                self.fail(f"{g.name}: the chunk's loss backward must sum with ignore_index {c['ignore_index']}", g)
+                return
+            grads.add(g.args[0].name if isinstance(g.args[0], Ref) else "")
+            if g.op == "aten.nll_loss_backward.default":
+                nxt = [n for n in self.p.nodes if n.op == "aten._log_softmax_backward_data.default"
+                       and n.args[0] == Ref(g.outputs[0]) and n.args[1] == Ref(lp)]
+                if len(nxt) != 1:
+                    self.fail(f"{g.name}: no log_softmax backward of this chunk follows", g)
+                    return
+                g = nxt[0]
+            per_chunk[c["a"]] = g.outputs[0]
+        if len(grads) != 1:
+            self.fail("the chunks' loss backward nodes read different loss gradients")
+            return
+        (gs,) = grads
+        if self.count is not None:
+            d = producer.get(gs)
+            if d is None or d.op != "aten.div.Tensor" or d.args[1] != Ref(self.count):
+                self.fail("a mean loss's chunks must take the loss gradient over the target count")
+                return
+        if chunks[0]["mode"] == "matmul":
+            weight, x_name = self.values[chunks[0]["weight_t"]].storage, chunks[0]["x"]
+        else:
+            # Sliced logits (the caller receives them whole): the gradients
+            # flow to that one matmul's activation and weight.
+            found = self._slice_head(chunks)
+            if found is None:
+                return
+            weight, x_name = found
+        order = [per_chunk[c["a"]] for c in chunks]
+        # dx: cat of g_i @ W in row order.
+        cats = [n for n in self.p.nodes if n.op == "aten.cat.default" and n.phase == BACKWARD
+                and isinstance(n.args[0], Seq) and len(n.args[0].items) == len(order)]
+        ok = False
+        for n in cats:
+            parts = [producer.get(r.name) if isinstance(r, Ref) else None for r in n.args[0].items]
+            if (all(p is not None and p.op == "aten.mm.default" and p.args[1] == Ref(weight) for p in parts)
+                    and [p.args[0] for p in parts] == [Ref(g) for g in order] and (len(n.args) < 2 or n.args[1] == 0)):
+                ok = True
+        if not ok:
+            self.fail("the activation's gradient must concatenate, in row order, each chunk's "
+                      "logits gradient times the weight")
+        # dW: one mm then one in-place addmm per other chunk, each chunk once.
+        bounds = {c["a"]: c["b"] for c in chunks}
+        seen = []
+        for n in self.p.nodes:
+            if n.phase != BACKWARD:
+                continue
+            if n.op in ("aten.mm.default", "aten.addmm_.default"):
+                lhs, rhs = (n.args[0], n.args[1]) if n.op == "aten.mm.default" else (n.args[1], n.args[2])
+                t = producer.get(lhs.name) if isinstance(lhs, Ref) else None
+                if t is not None and t.op == "aten.t.default" and t.args[0] in [Ref(g) for g in order]:
+                    a = next(a for a, g in per_chunk.items() if Ref(g) == t.args[0])
+                    if self.rows(rhs) != (x_name, a, bounds[a]):
+                        self.fail(f"{n.name}: chunk rows [{a}, {bounds[a]}) of the weight gradient must "
+                                  "multiply the same rows of the activation", n)
+                        return
+                    if n.op == "aten.addmm_.default" and (not seen or n.args[0] != Ref(seen[-1][1])):
+                        self.fail(f"{n.name}: the weight gradient must accumulate in place into one tensor", n)
+                        return
+                    seen.append((a, n.outputs[0]))
+        if sorted(a for a, _ in seen) != sorted(per_chunk):
+            self.fail("the weight gradient must take every chunk's contribution exactly once")
+
+    def _slice_head(self, chunks):
+        """(weight, activation) of the one matmul whose result the chunks slice."""
+        logits = self.values[chunks[0]["logits"]].storage
+        mms = [n for n in self.p.nodes if n.phase == FORWARD and n.op in ("aten.mm.default", "aten.addmm.default")
+               and self.values[n.outputs[0]].storage == logits]
+        if len(mms) != 1:
+            self.fail("the sliced logits are not one matmul's result")
+            return None
+        x, wt = mms[0].args[-2], mms[0].args[-1]
+        return self.values[wt.name].storage, x.name
+
+
+def _batchnorm(program: Program) -> list:
+    errors = []
+    nodes = program.nodes
+    for n in nodes:
+        if n.op != "aten.batch_norm_update_stats.default":
+            continue
+        x, rm, rv, momentum = n.args[:4]
+        pure = [m for m in nodes if m.op == "aten.native_batch_norm.default" and m.args[0] == x
+                and m.args[3] is None and m.args[4] is None and m.args[5] is True and m.args[6] == momentum
+                and not m.mutates]
+        if len(pure) != 1:
+            errors.append((_loc(n), f"rewrite batchnorm_split: {n.name} updates the running statistics, but "
+                                    f"there is not exactly one native_batch_norm of the same input in training "
+                                    f"with momentum {momentum} reading no running statistics"))
+        if set(n.mutates) != {r.name for r in (rm, rv) if isinstance(r, Ref)}:
+            errors.append((_loc(n), f"rewrite batchnorm_split: {n.name} must update exactly its running "
+                                    "statistics"))
+    return errors

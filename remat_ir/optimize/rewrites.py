@@ -1,0 +1,153 @@
+"""Choosing graph rewrites (`remat_ir.rewrite`) when recomputation alone cannot fit a budget.
+
+The traced graph is tried first; a rewrite is used only when the budget is
+below its floor.  Then the ladder, least change first:
+
+    batchnorm_split                     (when the graph has a training BatchNorm;
+                                         eager's bits, so allowed under `exact`)
+    [batchnorm_split,] chunked_loss:K   K = 2, 4, 8, ... (not under `exact`)
+
+Whether a rung fits is decided by a node-limited search at the budget, then
+by the rung's floor (a large rewritten graph is planned block by block,
+where the floor search takes seconds).  The rungs
+are tried in order until one fits (the fewest chunks that fit), and the
+next count up is planned too: the one with the lower
+total cost (every op of the rewritten step plus its recomputes, in the
+program's cost model) wins, the fewer chunks on a tie.  Each graph gets its
+own `Planner`, kept for later budgets.
+"""
+from __future__ import annotations
+
+from remat_ir.ir import Program
+from remat_ir.optimize.blocks import segments
+from remat_ir.optimize.family import Analysis
+from remat_ir.optimize.search import DEFAULT_TIME_LIMIT, Infeasible, OptimizeResult, Planner, optimize
+from remat_ir.rewrite import (
+    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_LOSS, apply, chunk_choices, describe, has_batchnorm,
+)
+
+
+# Rewritten graphs with more decisions than this are planned block by block.
+FLAT_FLOOR_DECISIONS = 100
+
+
+class RewritePlanner:
+    """Planners for `program` and each rewrite of it the ladder tries."""
+
+    def __init__(self, program: Program, scope: str = "total", *, solver: str = "HIGHS", effort="fast",
+                 exact: bool = False, log=None, planner: Planner | None = None):
+        self.program, self.scope, self.solver, self.effort, self.exact, self.log = (
+            program, scope, solver, effort, exact, log)
+        self._planners: dict[tuple, Planner] = {}
+        self._programs: dict[tuple, Program] = {(): program}
+        if planner is not None:
+            self._planners[()] = planner
+
+    def ladder(self) -> list[tuple]:
+        """The rewrite lists to try after the graph itself, least change first."""
+        base = (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
+        steps = [base] if base else []
+        if not self.exact or BIT_EXACT[CHUNKED_LOSS]:
+            steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in chunk_choices(self.program)]
+        return steps
+
+    def rewritten(self, specs: tuple) -> Program:
+        if specs not in self._programs:
+            self._programs[specs] = apply(self.program, list(specs))
+        return self._programs[specs]
+
+    def planner(self, specs: tuple) -> Planner:
+        if specs not in self._planners:
+            # A rewritten graph past FLAT_FLOOR_DECISIONS is planned block by
+            # block when it has blocks: the flat search's floor proof, which
+            # decides each rung, grows too slow (minutes at 120 decisions).
+            program = self.rewritten(specs)
+            big = specs and len(Analysis(program, self.scope).decisions()) > FLAT_FLOOR_DECISIONS
+            self._planners[specs] = Planner(program, self.scope, solver=self.solver, log=self.log,
+                                            effort=self.effort,
+                                            decompose=True if big and self._blocks(specs) else None)
+        return self._planners[specs]
+
+    def _blocks(self, specs: tuple) -> bool:
+        segs, _ = segments(Analysis(self.rewritten(specs), self.scope))
+        return sum(1 for s in segs if s.decisions) >= 2
+
+    def _optimize(self, specs: tuple, budget: int, time_limit: float, prove: bool = False) -> OptimizeResult:
+        return optimize(self.rewritten(specs), budget, self.scope, time_limit=time_limit, solver=self.solver,
+                        effort=self.effort, planner=self.planner(specs), prove=prove)
+
+    def floor(self, time_limit: float = DEFAULT_TIME_LIMIT) -> int:
+        """The smallest peak the optimizer reaches: with the last rung's rewrites
+        when there are any (the most chunks), else on the graph itself."""
+        from remat_ir.optimize.search import floor
+
+        steps = self.ladder()
+        self._floor_specs = steps[-1] if steps else ()
+        self._floor = floor(self.rewritten(self._floor_specs), self.scope, time_limit=time_limit,
+                            solver=self.solver, effort=self.effort, planner=self.planner(self._floor_specs))
+        return self._floor
+
+    def optimize(self, budget: int, time_limit: float = DEFAULT_TIME_LIMIT) -> OptimizeResult:
+        """The cheapest plan for `budget` the ladder finds; raises Infeasible
+        (with the floor of the last rung) when none fits.  The graph itself is
+        probed by a search that stops at its node limits without proving a
+        floor; each rung, by that search and then by its floor."""
+        if getattr(self, "_floor", None) == budget:
+            return self._optimize(self._floor_specs, budget, time_limit, prove=True)
+        steps = self.ladder()
+        try:
+            return self._optimize((), budget, time_limit, prove=not steps)
+        except Infeasible:
+            if not steps:
+                raise
+        floors: dict[int, int] = {}
+        found: dict[int, OptimizeResult] = {}
+
+        def fits(i: int) -> bool:
+            # A plan the node-limited search finds, else the rung's floor (its
+            # planner keeps the floor plan, so a budget at or above it is then
+            # planned without a second search).
+            if i not in floors:
+                try:
+                    found[i] = self._optimize(steps[i], budget, time_limit)
+                    floors[i] = 0
+                except Infeasible:
+                    planner = self.planner(steps[i])
+                    planner.start(time_limit)
+                    floors[i] = planner.floor_plan_for().peak
+            return floors[i] <= budget
+
+        def plan(i: int) -> OptimizeResult:
+            return found.get(i) or self._optimize(steps[i], budget, time_limit, prove=True)
+
+        # The BatchNorm split alone is the smallest change; then the chunks.
+        lo = 0
+        if steps[0] == (BATCHNORM_SPLIT,):
+            if fits(0):
+                return plan(0)
+            lo = 1
+        # The fewest chunks that fit, counting up: a budget just under the
+        # graph's own floor, the usual case, needs few, and a graph of more
+        # chunks takes longer to plan.
+        while lo < len(steps) and not fits(lo):
+            lo += 1
+        if lo == len(steps):
+            try:
+                return self._optimize(steps[-1], budget, time_limit, prove=True)
+            except Infeasible as e:
+                raise _explained(e, steps[-1]) from None
+        best = plan(lo)
+        if lo + 1 < len(steps) and fits(lo + 1):
+            more = plan(lo + 1)
+            if _total(more) < _total(best):
+                best = more
+        return best
+
+def _total(r: OptimizeResult) -> float:
+    return r.base_cost + r.extra_cost
+
+
+def _explained(e: Infeasible, specs: tuple) -> Infeasible:
+    if not specs:
+        return e
+    return Infeasible(f"{e} (with rewrites: {describe(list(specs))})", e.floor_bytes, e.budget_bytes, e.scope)

@@ -1,0 +1,80 @@
+"""Graph rewrites below the recompute floor.
+
+Recomputation frees a value and runs its op again; it cannot split an op, nor
+run one that updates state twice.  These rewrites change the traced graph so
+that it can:
+
+    batchnorm_split     a training BatchNorm as a running-stat update plus a pure
+                        normalization that can be recomputed (eager's bits)
+    chunked_loss:K      the LM head and cross-entropy in K row chunks, so no
+                        logits-sized tensor is ever whole (not eager's bits:
+                        float sums in another order)
+
+A rewrite is a pure function Program -> Program that returns the rewritten
+graph with its unoptimized schedule and names itself in `Header.rewrites`.
+`apply(program, names)` replays a list of them: the runtime replays a
+plan's list on a fresh trace of the model to check that the plan is this
+model's.  The optimizer picks them (`remat_ir.optimize.search`); the
+verifier checks their results without this code (`remat_ir.check.rewrites`).
+"""
+from __future__ import annotations
+
+from remat_ir.ir import Program
+from remat_ir.rewrite.batchnorm import NAME as BATCHNORM_SPLIT
+from remat_ir.rewrite.batchnorm import candidates as batchnorm_candidates
+from remat_ir.rewrite.batchnorm import split_batchnorm
+from remat_ir.rewrite.chunk_loss import NAME as CHUNKED_LOSS
+from remat_ir.rewrite.chunk_loss import NotApplicable, chunk_loss, region
+
+__all__ = ["BATCHNORM_SPLIT", "BIT_EXACT", "CHUNKED_LOSS", "NotApplicable", "apply", "chunk_choices",
+           "describe", "has_batchnorm"]
+
+# Whether a rewrite keeps eager's bits (`--exact` allows only these).
+BIT_EXACT = {BATCHNORM_SPLIT: True, CHUNKED_LOSS: False}
+
+
+def apply(program: Program, names: list[str]) -> Program:
+    """`program` with the rewrites `names` ("batchnorm_split", "chunked_loss:8")
+    applied in order.  Raises NotApplicable (a ValueError) for a name that is
+    unknown or a rewrite the graph does not allow."""
+    for spec in names:
+        name, _, arg = spec.partition(":")
+        if name == BATCHNORM_SPLIT and not arg:
+            program = split_batchnorm(program)
+        elif name == CHUNKED_LOSS and arg.isdigit():
+            program = chunk_loss(program, int(arg))
+        else:
+            raise NotApplicable(f"unknown rewrite {spec!r}: expected {BATCHNORM_SPLIT} or {CHUNKED_LOSS}:K "
+                                "(K chunks)")
+    return program
+
+
+def has_batchnorm(program: Program) -> bool:
+    return bool(batchnorm_candidates(program))
+
+
+def chunk_choices(program: Program, smallest_rows: int = 16, most: int = 32) -> list[int]:
+    """The chunk counts worth trying for `program`'s LM head and loss, fewest
+    first: powers of two up to `most`, while each chunk keeps at least
+    `smallest_rows` rows (smaller chunks save little and run slowly, and
+    each chunk adds ops to plan); [] when there is no region to chunk."""
+    try:
+        rows = region(program).rows
+    except NotApplicable:
+        return []
+    out, k = [], 2
+    while rows // k >= smallest_rows and k <= most:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def describe(names: list[str]) -> str:
+    """The rewrites in words, for CLI output and plan comments."""
+    words = []
+    for spec in names:
+        name, _, arg = spec.partition(":")
+        words.append(f"LM head and loss in {arg} chunks" if name == CHUNKED_LOSS
+                     else "BatchNorm split (running-stat update + recomputable normalization)"
+                     if name == BATCHNORM_SPLIT else spec)
+    return "; ".join(words)

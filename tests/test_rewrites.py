@@ -1,0 +1,228 @@
+"""Graph rewrites below the recompute floor: the chunked LM head and loss,
+the BatchNorm split.  Each rewritten plan verifies, runs on the model it was
+made for (the runtime replays the rewrites on a fresh trace), gives
+gradients within tolerance (chunks: float sums in another order) or bitwise
+(BatchNorm split), and the verifier's own check of a rewrite rejects a
+region that no longer computes what it stood for."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+import remat_ir
+from remat_ir.check.rewrites import check_rewrites
+from remat_ir.check.verify import verify
+from remat_ir.ir import Ref
+from remat_ir.ir.fingerprint import fingerprint
+from remat_ir.ir.parser import parse_program
+from remat_ir.ir.printer import format_program
+from remat_ir.models import build_builtin
+from remat_ir.optimize.search import Infeasible, Planner, floor, unoptimized_peak
+from remat_ir.rewrite import NotApplicable, apply, region
+from remat_ir.runtime.load import load_model
+from remat_ir.runtime.run import GRAD_RTOL, relative_difference, run_plan
+
+SCOPE = "activations"
+
+
+def _copy(p):
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=type(p))
+
+
+def _grads(module, inputs, plan=None, steps=1):
+    """Loss and parameter gradients of `steps` SGD steps, eager or by `plan`."""
+    model = remat_ir.wrap(module, plan) if plan is not None else module
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        loss = model(*inputs)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in module.parameters()],
+                    [b.clone() for b in module.buffers()]))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    module, inputs = build_builtin("gpt2-tiny")
+    return module, inputs, remat_ir.compile(module, inputs)
+
+
+def test_chunked_loss_verifies_round_trips_and_trains_within_tolerance(tiny):
+    _, inputs, program = tiny
+    plan = apply(program, ["chunked_loss:4"])
+    assert plan.header.rewrites == ["chunked_loss:4"]
+    assert verify(plan).ok, verify(plan)
+    text = format_program(plan)
+    assert "rewrites chunked_loss:4" in text
+    assert format_program(parse_program(text)) == text
+    assert sum(n.op == "aten.nll_loss_forward.default" for n in plan.nodes) == 4
+    eager = _grads(build_builtin("gpt2-tiny")[0], inputs, steps=2)
+    chunked = _grads(build_builtin("gpt2-tiny")[0], inputs, plan, steps=2)  # the model is checked: replayed
+    worst = max(relative_difference(a, b) for (_, ga, _), (_, gb, _) in zip(chunked, eager)
+                for a, b in zip(ga, gb))
+    assert 0 < worst < GRAD_RTOL  # not eager's bits, within the documented tolerance
+    assert all(relative_difference(a[0], b[0]) < GRAD_RTOL for a, b in zip(chunked, eager))
+
+
+def _wide_head():
+    """A one-block GPT whose vocabulary dwarfs its width: the LM head and
+    loss set the recompute floor."""
+    from remat_ir.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    module = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=2048, block_size=32)).train()
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 2048, (2, 32), generator=g), torch.randint(0, 2048, (2, 32), generator=g))
+    return module, inputs
+
+
+def test_the_plan_of_a_chunked_loss_fits_where_recomputation_alone_cannot():
+    module, inputs = _wide_head()
+    program = remat_ir.compile(module, inputs)
+    f0 = floor(program, SCOPE, planner=Planner(program, SCOPE))
+    with pytest.raises(Infeasible):
+        remat_ir.pipeline.fit(program, f0 - 1, scope=SCOPE, exact=True)  # exact: no chunks
+    plan = remat_ir.pipeline.fit(program, f0 - 1, scope=SCOPE)
+    assert plan.header.rewrites and plan.header.rewrites[0].startswith("chunked_loss:")
+    assert any("graph rewrites" in c for c in plan.header.comment)
+    v = verify(plan)
+    assert v.ok and v.report.activation_peak_bytes <= f0 - 1
+    from remat_ir.runtime.load import LoadedModel
+
+    r = run_plan(plan, LoadedModel(name="wide", module=_wide_head()[0], inputs=inputs, loss=None), steps=2, check=True)
+    assert r.within_tolerance() and r.grads_match and not r.grads_bitwise
+
+
+def test_a_budget_the_graph_fits_gets_no_rewrite(tiny):
+    _, _, program = tiny
+    assert remat_ir.pipeline.fit(program, 0.8, scope=SCOPE).header.rewrites == []
+
+
+@pytest.mark.parametrize("mutation, message", [
+    ("drop a chunk from the sum", "no sum of the chunk losses"),
+    ("overlap", "must cover rows"),
+    ("count", "not 3 chunks"),
+    ("unknown", "unknown rewrite"),
+    ("other weight", "the weight gradient must"),
+])
+def test_the_verifier_rejects_a_chunked_region_that_is_not_the_loss(tiny, mutation, message):
+    _, _, program = tiny
+    plan = _copy(apply(program, ["chunked_loss:4"]))
+    nodes = plan.node_map()
+    if mutation == "drop a chunk from the sum":
+        n = nodes["lm_head.loss_sum_1"]
+        n.args = [n.args[0], Ref("lm_head.chunk1.nll:0")]  # chunk 2 never counted, chunk 1 twice
+    elif mutation == "overlap":
+        for name in ("lm_head.chunk1.x", "lm_head.chunk1.target"):
+            nodes[name].args = nodes[name].args[:2] + [31, 64]
+    elif mutation == "count":
+        plan.header.rewrites = ["chunked_loss:3"]
+    elif mutation == "unknown":
+        plan.header.rewrites = ["fuse_everything"]
+    else:
+        n = nodes["d.lm_head.weight_acc"]
+        n.args = [n.args[0], n.args[1], Ref("lm_head.chunk0.x")]  # chunk 1's gradient times chunk 0's rows
+    plan.header.fingerprint = fingerprint(plan)  # as if compiled so: only the rewrite check can object
+    errors = [m for _, m in check_rewrites(plan)]
+    assert any(message in m for m in errors), errors
+    assert not verify(plan).ok
+
+
+def test_an_unknown_or_inapplicable_rewrite_is_refused_by_name():
+    module, inputs = build_builtin("mlp")
+    program = remat_ir.compile(module, inputs)
+    with pytest.raises(NotApplicable, match="unknown rewrite"):
+        apply(program, ["chunked_loss"])
+    with pytest.raises(NotApplicable, match="chunks must be between"):
+        apply(program, ["chunked_loss:64"])
+
+
+# ------------------------------------------------------------------ BatchNorm
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    module, inputs = build_builtin("resnet-mini")
+    return inputs, remat_ir.compile(module, inputs)
+
+
+def test_batchnorm_split_gives_eager_bits(resnet):
+    inputs, program = resnet
+    split = apply(program, ["batchnorm_split"])
+    assert verify(split).ok, verify(split)
+    assert sum(n.op == "aten.batch_norm_update_stats.default" for n in split.nodes) == \
+        sum(n.op == "aten.native_batch_norm.default" for n in program.nodes)
+    eager = _grads(build_builtin("resnet-mini")[0], inputs, steps=2)
+    got = _grads(build_builtin("resnet-mini")[0], inputs, split, steps=2)
+    for (la, ga, ba), (lb, gb, bb) in zip(got, eager):
+        assert torch.equal(la, lb)
+        assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+        assert all(torch.equal(a, b) for a, b in zip(ba, bb))  # running statistics updated once
+    # Recomputation alone cannot reach 0.4 of the activation peak; the split plan does (below).
+    assert floor(program, SCOPE, planner=Planner(program, SCOPE)) > 0.4 * unoptimized_peak(program, SCOPE)
+
+
+def test_resnet_at_0_4_runs_bitwise_and_as_predicted(resnet):
+    _, program = resnet
+    plan = remat_ir.pipeline.fit(program, 0.4, scope=SCOPE, exact=True)
+    assert plan.header.rewrites == ["batchnorm_split"]
+    r = run_plan(plan, load_model("resnet-mini"), steps=2, check=True)
+    assert r.within_tolerance() and r.grads_bitwise and r.loss_bitwise
+
+
+def test_the_verifier_rejects_a_split_that_still_reads_running_stats(resnet):
+    _, program = resnet
+    plan = _copy(apply(program, ["batchnorm_split"]))
+    bn = next(n for n in plan.nodes if n.op == "aten.native_batch_norm.default")
+    stats = next(n for n in plan.nodes if n.op == "aten.batch_norm_update_stats.default")
+    bn.args = bn.args[:3] + stats.args[1:3] + bn.args[5:]
+    plan.header.fingerprint = fingerprint(plan)
+    assert any("batchnorm_split" in m for _, m in check_rewrites(plan))
+
+
+# -------------------------------------------------------- transformers heads
+
+
+def _hf(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = dict(vocab_size=300, max_position_embeddings=64)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2,
+                                                                      vocab_size=300, n_positions=64))
+    elif kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=2, **small))
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, **small))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    if kind == "bert":
+        labels[:, ::3] = -100
+    return model.train(), dict(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_transformers_heads_are_chunked_with_their_logits_kept(kind):
+    model, kwargs = _hf(kind)
+    program = remat_ir.compile(model, (), kwargs)
+    r = region(program)
+    assert r.kept  # the caller receives the logits: the chunks slice them
+    assert (r.bias is not None) == (kind == "bert") and r.ignore_index == -100
+    plan = apply(program, ["chunked_loss:4"])
+    assert verify(plan).ok, verify(plan)
+    grads = []
+    for m in (model, remat_ir.wrap(model, plan)):
+        torch.manual_seed(0)
+        m(**kwargs).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        model.zero_grad()
+    assert len(grads[0]) == len(grads[1])
+    assert max(relative_difference(a, b) for a, b in zip(grads[1], grads[0])) < GRAD_RTOL
