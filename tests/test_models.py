@@ -224,7 +224,7 @@ def test_resnet_mini_builds_and_steps():
                  "layer2.0.downsample.1", "layer4.0.conv2", "avgpool", "fc"]:
         assert path in names, path
     assert names["layer1.0"].downsample is None  # same width and stride: identity shortcut
-    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 1 + 4 * 2 + 3
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 1 + 4 * 2 * 2 + 3
     before = model.layer1[0].bn1.running_mean.clone()
     loss = model(x, y)
     assert loss.dim() == 0 and abs(loss.item() - math.log(10)) < 1.0

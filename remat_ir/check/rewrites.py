@@ -206,22 +206,24 @@ class _Chunks:
             if len(gl) != 1:
                 self.fail(f"chunk {c['node'].name} has {len(gl)} loss backward nodes, not one", c["node"])
                 return
-            g = gl[0]
-            if g.args[2] != Ref(c["target_chunk"]):
-                self.fail(f"{g.name}: the chunk's loss backward must read the chunk's own targets", g)
-                return
-            if g.args[4] != 2 or g.args[5] != c["ignore_index"]:
-                self.fail(f"{g.name}: the chunk's loss backward must sum with ignore_index {c['ignore_index']}", g)
-                return
-            grads.add(g.args[0].name if isinstance(g.args[0], Ref) else "")
-            if g.op == "aten.nll_loss_backward.default":
-                nxt = [n for n in self.p.nodes if n.op == "aten._log_softmax_backward_data.default"
-                       and n.args[0] == Ref(g.outputs[0]) and n.args[1] == Ref(lp)]
-                if len(nxt) != 1:
-                    self.fail(f"{g.name}: no log_softmax backward of this chunk follows", g)
+            per_chunk[c["a"]] = []
+            for g in gl:
+                if g.args[2] != Ref(c["target_chunk"]):
+                    self.fail(f"{g.name}: the chunk's loss backward must read the chunk's own targets", g)
                     return
-                g = nxt[0]
-            per_chunk[c["a"]] = g.outputs[0]
+                if g.args[4] != 2 or g.args[5] != c["ignore_index"]:
+                    self.fail(f"{g.name}: the chunk's loss backward must sum with ignore_index "
+                              f"{c['ignore_index']}", g)
+                    return
+                grads.add(g.args[0].name if isinstance(g.args[0], Ref) else "")
+                if g.op == "aten.nll_loss_backward.default":
+                    nxt = [n for n in self.p.nodes if n.op == "aten._log_softmax_backward_data.default"
+                           and n.args[0] == Ref(g.outputs[0]) and n.args[1] == Ref(lp)]
+                    if len(nxt) != 1:
+                        self.fail(f"{g.name}: no log_softmax backward of this chunk follows", g)
+                        return
+                    g = nxt[0]
+                per_chunk[c["a"]].append(g.outputs[0])
         if len(grads) != 1:
             self.fail("the chunks' loss backward nodes read different loss gradients")
             return
@@ -240,7 +242,7 @@ class _Chunks:
             if found is None:
                 return
             weight, x_name = found
-        order = [per_chunk[c["a"]] for c in chunks]
+        order = [per_chunk[c["a"]] for c in chunks]  # each chunk's logits gradients
         # dx: cat of g_i @ W in row order.
         cats = [n for n in self.p.nodes if n.op == "aten.cat.default" and n.phase == BACKWARD
                 and isinstance(n.args[0], Seq) and len(n.args[0].items) == len(order)]
@@ -248,7 +250,9 @@ class _Chunks:
         for n in cats:
             parts = [producer.get(r.name) if isinstance(r, Ref) else None for r in n.args[0].items]
             if (all(p is not None and p.op == "aten.mm.default" and p.args[1] == Ref(weight) for p in parts)
-                    and [p.args[0] for p in parts] == [Ref(g) for g in order] and (len(n.args) < 2 or n.args[1] == 0)):
+                    and all(isinstance(p.args[0], Ref) and p.args[0].name in gs_
+                            for p, gs_ in zip(parts, order))
+                    and (len(n.args) < 2 or n.args[1] == 0)):
                 ok = True
         if not ok:
             self.fail("the activation's gradient must concatenate, in row order, each chunk's "
@@ -262,8 +266,9 @@ class _Chunks:
             if n.op in ("aten.mm.default", "aten.addmm_.default"):
                 lhs, rhs = (n.args[0], n.args[1]) if n.op == "aten.mm.default" else (n.args[1], n.args[2])
                 t = producer.get(lhs.name) if isinstance(lhs, Ref) else None
-                if t is not None and t.op == "aten.t.default" and t.args[0] in [Ref(g) for g in order]:
-                    a = next(a for a, g in per_chunk.items() if Ref(g) == t.args[0])
+                if t is not None and t.op == "aten.t.default" and any(t.args[0] == Ref(g) for gs_ in order
+                                                                      for g in gs_):
+                    a = next(a for a, gs_ in per_chunk.items() if any(Ref(g) == t.args[0] for g in gs_))
                     if self.rows(rhs) != (x_name, a, bounds[a]):
                         self.fail(f"{n.name}: chunk rows [{a}, {bounds[a]}) of the weight gradient must "
                                   "multiply the same rows of the activation", n)

@@ -72,19 +72,32 @@ class RewritePlanner:
         segs, _ = segments(Analysis(self.rewritten(specs), self.scope))
         return sum(1 for s in segs if s.decisions) >= 2
 
-    def _optimize(self, specs: tuple, budget: int, time_limit: float, prove: bool = False) -> OptimizeResult:
+    def _optimize(self, specs: tuple, budget: int, time_limit: float, prove: bool = False,
+                  planner: Planner | None = None) -> OptimizeResult:
         return optimize(self.rewritten(specs), budget, self.scope, time_limit=time_limit, solver=self.solver,
-                        effort=self.effort, planner=self.planner(specs), prove=prove)
+                        effort=self.effort, planner=planner or self.planner(specs), prove=prove)
 
     def floor(self, time_limit: float = DEFAULT_TIME_LIMIT) -> int:
-        """The smallest peak the optimizer reaches: with the last rung's rewrites
-        when there are any (the most chunks), else on the graph itself."""
+        """The smallest peak the optimizer reaches: the graph's own floor
+        (kept as `own_floor`), or the last rung's (the most chunks) when that
+        is lower (`floor_specs` says which)."""
         from remat_ir.optimize.search import floor
 
         steps = self.ladder()
-        self._floor_specs = steps[-1] if steps else ()
-        self._floor = floor(self.rewritten(self._floor_specs), self.scope, time_limit=time_limit,
-                            solver=self.solver, effort=self.effort, planner=self.planner(self._floor_specs))
+        # The graph's own floor, block by block when it is large (as the rungs').
+        own = self.planner(())
+        if not own.decompose and len(own.all_dec) > FLAT_FLOOR_DECISIONS and steps and self._blocks(()):
+            own = Planner(self.program, self.scope, solver=self.solver, log=self.log, effort=self.effort,
+                          decompose=True)
+        self._floor_planner = own
+        self.floor_specs = ()
+        self._floor = self.own_floor = floor(self.program, self.scope, time_limit=time_limit,
+                                             solver=self.solver, effort=self.effort, planner=own)
+        if steps:
+            last = floor(self.rewritten(steps[-1]), self.scope, time_limit=time_limit, solver=self.solver,
+                         effort=self.effort, planner=self.planner(steps[-1]))
+            if last < self._floor:
+                self._floor, self.floor_specs, self._floor_planner = last, steps[-1], self.planner(steps[-1])
         return self._floor
 
     def optimize(self, budget: int, time_limit: float = DEFAULT_TIME_LIMIT) -> OptimizeResult:
@@ -93,7 +106,7 @@ class RewritePlanner:
         probed by a search that stops at its node limits without proving a
         floor; each rung, by that search and then by its floor."""
         if getattr(self, "_floor", None) == budget:
-            return self._optimize(self._floor_specs, budget, time_limit, prove=True)
+            return self._optimize(self.floor_specs, budget, time_limit, prove=True, planner=self._floor_planner)
         steps = self.ladder()
         try:
             return self._optimize((), budget, time_limit, prove=not steps)

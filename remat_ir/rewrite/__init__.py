@@ -27,7 +27,7 @@ from remat_ir.rewrite.chunk_loss import NAME as CHUNKED_LOSS
 from remat_ir.rewrite.chunk_loss import NotApplicable, chunk_loss, region
 
 __all__ = ["BATCHNORM_SPLIT", "BIT_EXACT", "CHUNKED_LOSS", "NotApplicable", "apply", "chunk_choices",
-           "describe", "has_batchnorm"]
+           "describe", "has_batchnorm", "keeps_bits"]
 
 # Whether a rewrite keeps eager's bits (`--exact` allows only these).
 BIT_EXACT = {BATCHNORM_SPLIT: True, CHUNKED_LOSS: False}
@@ -49,6 +49,11 @@ def apply(program: Program, names: list[str]) -> Program:
     return program
 
 
+def keeps_bits(names: list[str]) -> bool:
+    """Whether every rewrite in `names` keeps eager's bits."""
+    return all(BIT_EXACT.get(spec.partition(":")[0], False) for spec in names)
+
+
 def has_batchnorm(program: Program) -> bool:
     return bool(batchnorm_candidates(program))
 
@@ -67,6 +72,7 @@ def chunk_choices(program: Program, smallest_rows: int = 16, most: int = 32) -> 
         out.append(k)
         k *= 2
     return out
+
 
 
 def describe(names: list[str]) -> str:

@@ -261,32 +261,44 @@ def chunk_loss(program: Program, chunks: int) -> Program:
     else:
         loss, gs = total, r.grad_in
 
-    dxs, dw, db = [], None, None
-    for i, (a, b) in enumerate(bounds):
-        c = f"d.{mod}.chunk{i}"
+    def grad_logits(i: int, c: str, to: list) -> str:
+        """Chunk i's logits gradient, from its log-probabilities and the loss gradient."""
+        a, b = bounds[i]
         lp, t, n_i = lps[i], ts[i], nlls[i][1]
         if r.fused:
-            gl = add(g.node(f"{c}.logits", "remat.nll_log_softmax_backward.default",
-                            [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index, Ref(n_i), Ref(lp), 1,
-                             _dtype(lp_dtype)], BACKWARD, mod, flops=2 * (b - a) * r.vocab), bwd)[0]
-        else:
-            gn = add(g.node(f"{c}.nll", _NLL_BWD[0], [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index,
-                                                      Ref(n_i)], BACKWARD, mod), bwd)[0]
-            gl = add(g.node(f"{c}.logits", "aten._log_softmax_backward_data.default",
-                            [Ref(gn), Ref(lp), 1, _dtype(lp_dtype)], BACKWARD, mod), bwd)[0]
-        dxs.append(add(g.node(f"{c}.x", "aten.mm.default", [Ref(gl), Ref(r.weight)], BACKWARD, mod,
-                              flops=matmul_flops(b - a, r.vocab, d)), bwd)[0])
-        glt = add(g.node(f"{c}.logits_t", "aten.t.default", [Ref(gl)], BACKWARD, mod), bwd)[0]
+            return add(g.node(f"{c}.logits", "remat.nll_log_softmax_backward.default",
+                              [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index, Ref(n_i), Ref(lp), 1,
+                               _dtype(lp_dtype)], BACKWARD, mod, flops=2 * (b - a) * r.vocab), to)[0]
+        gn = add(g.node(f"{c}.nll", _NLL_BWD[0], [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index,
+                                                  Ref(n_i)], BACKWARD, mod), to)[0]
+        return add(g.node(f"{c}.logits", "aten._log_softmax_backward_data.default",
+                          [Ref(gn), Ref(lp), 1, _dtype(lp_dtype)], BACKWARD, mod), to)[0]
+
+    dw = None
+
+    def weight_grad(i: int, gl: str, c: str, to: list) -> None:
+        nonlocal dw
+        a, b = bounds[i]
+        glt = add(g.node(f"{c}.logits_t", "aten.t.default", [Ref(gl)], BACKWARD, mod), to)[0]
         if dw is None:
             dw = add(g.node(f"d.{mod}.weight", "aten.mm.default", [Ref(glt), Ref(xs[i])], BACKWARD, mod,
-                            flops=matmul_flops(r.vocab, b - a, d)), bwd)[0]
+                            flops=matmul_flops(r.vocab, b - a, d)), to)[0]
         else:
             dw = add(g.node(f"d.{mod}.weight_acc", "aten.addmm_.default", [Ref(dw), Ref(glt), Ref(xs[i])],
-                            BACKWARD, mod, mutates=[dw], flops=matmul_flops(r.vocab, b - a, d)), bwd)[0]
+                            BACKWARD, mod, mutates=[dw], flops=matmul_flops(r.vocab, b - a, d)), to)[0]
+
+    tied_add = _tied_add(program, r, values)
+    dxs, db = [], None
+    for i, (a, b) in enumerate(bounds):
+        c = f"d.{mod}.chunk{i}"
+        gl = grad_logits(i, c, bwd)
+        dxs.append(add(g.node(f"{c}.x", "aten.mm.default", [Ref(gl), Ref(r.weight)], BACKWARD, mod,
+                              flops=matmul_flops(b - a, r.vocab, d)), bwd)[0])
+        weight_grad(i, gl, c, bwd)
         if r.bias is not None:
-            s = add(g.node(f"{c}.bias", "aten.sum.dim_IntList", [Ref(gl), Seq([0])], BACKWARD, mod), bwd)[0]
-            db = s if db is None else add(g.node(f"d.{mod}.bias", "aten.add.Tensor", [Ref(db), Ref(s)],
-                                                 BACKWARD, mod), bwd)[0]
+            s_ = add(g.node(f"{c}.bias", "aten.sum.dim_IntList", [Ref(gl), Seq([0])], BACKWARD, mod), bwd)[0]
+            db = s_ if db is None else add(g.node(f"d.{mod}.bias", "aten.add.Tensor", [Ref(db), Ref(s_)],
+                                                  BACKWARD, mod), bwd)[0]
     dx = add(g.node(f"d.{mod}.x", "aten.cat.default", [Seq([Ref(v) for v in dxs]), 0], BACKWARD, mod), bwd)[0]
     new = {"x": dx, "weight": dw, "bias": db}
 
@@ -307,7 +319,6 @@ def chunk_loss(program: Program, chunks: int) -> Program:
         del g.values[name]
         g.taken.discard(name)
         node = g.node(name, op, args, BACKWARD, mod)
-        assert node.outputs == [name]
         replaced.append(node)
     bwd += replaced
 
@@ -316,27 +327,13 @@ def chunk_loss(program: Program, chunks: int) -> Program:
     # which sets the floor once the logits are chunked.  Adding the head's
     # into the embedding's in place (the same bits: addition commutes) leaves two.
     swapped = {}
-    grads = {o.value for o in program.outputs if o.kind == GRAD}
-    for name, kind in r.frontier.items():
-        if kind != "weight":
-            continue
-        users = [n for n in program.nodes if name in node_inputs(n) and n.name not in gone_all(r)]
-        if len(users) != 1:
-            continue
-        add_node = users[0]
-        other = [a.name for a in add_node.args if isinstance(a, Ref) and a.name != name]
-        if (add_node.op != "aten.add.Tensor" or len(add_node.args) != 2 or add_node.kwargs or len(other) != 1
-                or add_node.outputs[0] not in grads):
-            continue
-        e = values[other[0]]
-        if e.storage != e.name or e.shape != values[name].shape or e.stride != values[name].stride or any(
-                e.name in node_inputs(n) for n in program.nodes if n is not add_node):
-            continue
+    if tied_add is not None:
+        add_node, name, other = tied_add
         out = add_node.outputs[0]
         del g.values[out]
         g.taken.discard(out)
-        swapped[add_node.name] = g.node(out, "aten.add_.Tensor", [Ref(e.name), Ref(name)], BACKWARD,
-                                        add_node.module, mutates=[e.name], flops=add_node.flops)
+        swapped[add_node.name] = g.node(out, "aten.add_.Tensor", [Ref(other), Ref(name)], BACKWARD,
+                                        add_node.module, mutates=[other], flops=add_node.flops)
 
     # Splice: the region's nodes go; the new ones stand where the loss was
     # computed in forward and where its backward began, when every operand
@@ -361,8 +358,29 @@ def chunk_loss(program: Program, chunks: int) -> Program:
     return out
 
 
-def gone_all(r: Region) -> set:
-    return set(r.forward_nodes) | set(r.backward_nodes)
+def _tied_add(program: Program, r: Region, values) -> tuple | None:
+    """(node, head gradient, embedding gradient) when the head's weight
+    gradient is read by one `add` with another gradient of the same weight
+    (a weight tied to the embedding) that gives the weight's gradient output
+    and that nothing else reads; else None."""
+    grads = {o.value for o in program.outputs if o.kind == GRAD}
+    gone = set(r.forward_nodes) | set(r.backward_nodes)
+    for name, kind in r.frontier.items():
+        if kind != "weight":
+            continue
+        users = [n for n in program.nodes if name in node_inputs(n) and n.name not in gone]
+        if len(users) != 1:
+            continue
+        n = users[0]
+        other = [a.name for a in n.args if isinstance(a, Ref) and a.name != name]
+        if (n.op != "aten.add.Tensor" or len(n.args) != 2 or n.kwargs or len(other) != 1
+                or n.outputs[0] not in grads):
+            continue
+        e = values[other[0]]
+        if (e.storage == e.name and e.shape == values[name].shape and e.stride == values[name].stride
+                and not any(e.name in node_inputs(m) for m in program.nodes if m is not n)):
+            return n, name, e.name
+    return None
 
 
 def _without_dead_views(nodes: list[Node], kept: set) -> list[Node]:
