@@ -26,7 +26,7 @@ CASES = {
     "gpt2-mid": (0.3, False, "adam"),
     "gpt2-medium": (0.1, True, "adam"),
     "resnet-mini": (0.4, False, "adam"),
-    "resnet18": (0.4, True, "adam"),
+    "resnet18": (0.45, True, "adam"),
 }
 
 

@@ -7,9 +7,9 @@ below its floor.  Then the ladder, least change first:
                                          eager's bits, so allowed under `exact`)
     [batchnorm_split,] chunked_loss:K   K = 2, 4, 8, ... (not under `exact`)
 
-Whether a rung fits is decided by a node-limited search at the budget, then
-by the rung's floor (a large rewritten graph is planned block by block,
-where the floor search takes seconds).  The rungs
+Whether a rung fits is decided by its floor when the rewritten graph is
+planned block by block (large graphs, where that search takes seconds),
+else by a node-limited search at the budget, then by the floor.  The rungs
 are tried in order until one fits (the fewest chunks that fit), and the
 next count up is planned too: the one with the lower
 total cost (every op of the rewritten step plus its recomputes, in the
@@ -117,17 +117,21 @@ class RewritePlanner:
         found: dict[int, OptimizeResult] = {}
 
         def fits(i: int) -> bool:
-            # A plan the node-limited search finds, else the rung's floor (its
-            # planner keeps the floor plan, so a budget at or above it is then
-            # planned without a second search).
+            # Block by block, the floor search is the cheaper test; flat, a
+            # node-limited search at the budget, then the floor.  The planner
+            # keeps its floor plan, so a budget at or above the floor is then
+            # planned without a second search.
             if i not in floors:
-                try:
-                    found[i] = self._optimize(steps[i], budget, time_limit)
-                    floors[i] = 0
-                except Infeasible:
-                    planner = self.planner(steps[i])
-                    planner.start(time_limit)
-                    floors[i] = planner.floor_plan_for().peak
+                planner = self.planner(steps[i])
+                if not planner.decompose:
+                    try:
+                        found[i] = self._optimize(steps[i], budget, time_limit)
+                        floors[i] = 0
+                        return True
+                    except Infeasible:
+                        pass
+                planner.start(time_limit)
+                floors[i] = planner.floor_plan_for().peak
             return floors[i] <= budget
 
         def plan(i: int) -> OptimizeResult:

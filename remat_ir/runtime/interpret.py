@@ -64,17 +64,29 @@ class Executable:
         self.inputs = [v for v in program.values if v.kind == INPUT]
 
         self.forward_fn = self._compile("forward", program.forward, [])
-        # Backward segments: cut after each instruction that yields gradients.
+        # Backward segments: cut after each instruction that yields gradients
+        # and the frees that follow it.  Those frees run before the gradients go
+        # to autograd, so no other name still holds a gradient an in-place op
+        # returned (`add_(e, f)` is `e`): autograd then takes its storage as
+        # `.grad` instead of cloning it, as the simulator says.
         self.segments: list[tuple] = []  # (fn, [grad keys])
         start = 0
         instrs = program.backward
         for i, ins in enumerate(instrs):
+            if i < start:
+                continue
             keys = self._grad_keys(ins)
             if keys or i == len(instrs) - 1:
+                end = i + 1
+                while keys and end < len(instrs) and instrs[end].kind == FREE:
+                    end += 1
                 grads = [(self._grad_value(ins, k), k) for k in keys]
-                fn = self._compile(f"backward_{len(self.segments)}", instrs[start:i + 1], grads)
+                fn = self._compile(f"backward_{len(self.segments)}", instrs[start:end], grads)
                 self.segments.append((fn, [k for _, k in grads]))
-                start = i + 1
+                start = end
+        if start < len(instrs):
+            fn = self._compile(f"backward_{len(self.segments)}", instrs[start:], [])
+            self.segments.append((fn, []))
         if not self.segments:
             self.segments.append((self._compile("backward_0", [], []), []))
 
