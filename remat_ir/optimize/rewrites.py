@@ -85,10 +85,7 @@ class RewritePlanner:
 
         steps = self.ladder()
         # The graph's own floor, block by block when it is large (as the rungs').
-        own = self.planner(())
-        if not own.decompose and len(own.all_dec) > FLAT_FLOOR_DECISIONS and steps and self._blocks(()):
-            own = Planner(self.program, self.scope, solver=self.solver, log=self.log, effort=self.effort,
-                          decompose=True)
+        own = self._own_floor_planner(steps)
         self._floor_planner = own
         self.floor_specs = ()
         self._floor = self.own_floor = floor(self.program, self.scope, time_limit=time_limit,
@@ -100,6 +97,17 @@ class RewritePlanner:
                 self._floor, self.floor_specs, self._floor_planner = last, steps[-1], self.planner(steps[-1])
         return self._floor
 
+    def _own_floor_planner(self, steps: list) -> Planner:
+        """The planner for the graph's own floor: its flat planner, or, for a
+        large graph with rewrites to try, one that plans block by block."""
+        own = self.planner(())
+        if not own.decompose and len(own.all_dec) > FLAT_FLOOR_DECISIONS and steps and self._blocks(()):
+            if "own" not in self._planners:
+                self._planners["own"] = Planner(self.program, self.scope, solver=self.solver, log=self.log,
+                                                effort=self.effort, decompose=True)
+            own = self._planners["own"]
+        return own
+
     def optimize(self, budget: int, time_limit: float = DEFAULT_TIME_LIMIT) -> OptimizeResult:
         """The cheapest plan for `budget` the ladder finds; raises Infeasible
         (with the floor of the last rung) when none fits.  The graph itself is
@@ -109,6 +117,13 @@ class RewritePlanner:
             return self._optimize(self.floor_specs, budget, time_limit, prove=True, planner=self._floor_planner)
         steps = self.ladder()
         try:
+            own = self._own_floor_planner(steps)
+            if own is not self.planner(()):
+                # A large graph: its block-by-block floor (seconds) says whether
+                # to search it at all, not a flat search (a minute) that fails.
+                own.start(time_limit)
+                if own.floor_plan_for().peak > budget:
+                    raise Infeasible("below the graph's own floor", own.floor_plan.peak, budget, self.scope)
             return self._optimize((), budget, time_limit, prove=not steps)
         except Infeasible:
             if not steps:
