@@ -222,12 +222,12 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
     from torch.utils.checkpoint import checkpoint
 
     from remat_ir.check.simulate import simulate
-    from remat_ir.cli.bench import compare_grads, find_blocks
+    from remat_ir.cli.bench import compare_grads, find_blocks, relative_grads
     from remat_ir.runtime.bind import PlanMismatch, _first_difference
     from remat_ir.runtime.interpret import wrap
     from remat_ir.runtime.load import load_model
     from remat_ir.runtime.memtrack import measure_step
-    from remat_ir.runtime.run import optimizer_state, relative_difference
+    from remat_ir.runtime.run import optimizer_state
     from remat_ir.trace.rewrites import is_neutral
 
     dev = torch.device(args.device)
@@ -348,9 +348,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
                 grads = grads_at_seed(mm.step, args.seed)
                 mm.grad_equal, diff = compare_grads(ref, grads)
                 mm.grad_diff = 0.0 if mm.grad_equal else diff
-                mm.grad_rel = 0.0 if mm.grad_equal else max(
-                    (relative_difference(g, r) for r, g in zip(ref, grads) if r is not None and g is not None),
-                    default=0.0)
+                mm.grad_rel = 0.0 if mm.grad_equal else relative_grads(ref, grads)
                 del grads
             else:
                 grads_at_seed(mm.step, args.seed)

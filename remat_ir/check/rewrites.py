@@ -25,7 +25,7 @@ for computed:
 """
 from __future__ import annotations
 
-from remat_ir.ir.types import BACKWARD, FORWARD, Program, Ref, Seq, arg_refs
+from remat_ir.ir.types import BACKWARD, FORWARD, Program, Ref, Seq, node_inputs
 
 __all__ = ["check_rewrites"]
 
@@ -73,7 +73,7 @@ class _Chunks:
         n = self.producer.get(value.name)
         return n if n is not None and n.op == op else None
 
-    def rows(self, value, phase=FORWARD):
+    def rows(self, value):
         """(source, a, b) when `value` is rows [a, b) of `source`."""
         n = self.made_by(value, "aten.slice.Tensor")
         if n is None or n.args[1] != 0 or len(n.args) != 4 or not isinstance(n.args[0], Ref):
@@ -112,7 +112,7 @@ class _Chunks:
             return self.errors
         self.check_loss(chunks)
         if not self.errors:
-            self.check_backward(chunks, n_rows)
+            self.check_backward(chunks)
         return self.errors
 
     def chunk(self, nll):
@@ -138,7 +138,7 @@ class _Chunks:
                           "weight's transpose", mm)
                 return None
             c.update(mode="matmul", x=xr[0], weight_t=wt.name, bias=bias.name if bias else None, a=xr[1],
-                     b=xr[2], x_chunk=x.name)
+                     b=xr[2])
         else:
             lr = self.rows(logits)
             if lr is None:
@@ -172,7 +172,7 @@ class _Chunks:
         counts = sorted(c["node"].outputs[1] if len(c["node"].outputs) > 1 else "" for c in chunks)
         readers = {}
         for n in self.p.nodes:
-            for r in {r for a in list(n.args) + list(n.kwargs.values()) for r in arg_refs(a)}:
+            for r in node_inputs(n):
                 readers.setdefault(r, []).append(n)
         # The loss: the add tree over every chunk loss, maybe divided by the count tree.
         top = None
@@ -185,7 +185,6 @@ class _Chunks:
         if top is None:
             self.fail("no sum of the chunk losses with each chunk counted once")
             return
-        self.loss_sum = top.outputs[0]
         self.count = None
         divs = [n for n in readers.get(top.outputs[0], []) if n.op == "aten.div.Tensor" and n.phase == FORWARD]
         if divs:
@@ -195,7 +194,7 @@ class _Chunks:
                 return
             self.count = d.args[1].name
 
-    def check_backward(self, chunks, n_rows):
+    def check_backward(self, chunks):
         producer = self.producer
         grads, per_chunk = set(), {}
         for c in chunks:

@@ -428,7 +428,9 @@ def _grads(module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
 
 
-def _relative(ref: list, got: list) -> float:
+def relative_grads(ref: list, got: list) -> float:
+    """The largest relative difference (`remat_ir.runtime.run.relative_difference`)
+    between matching gradients of `got` and `ref`."""
     from remat_ir.runtime.run import relative_difference
 
     return max((relative_difference(b, a) for a, b in zip(ref, got) if a is not None and b is not None),
@@ -518,7 +520,7 @@ def measure(ctx: Context, spec: MethodSpec, ref_grads, log) -> tuple[Row, Prepar
             equal, diff = compare_grads(ref_grads, got)
             from remat_ir.runtime.run import GRAD_RTOL
 
-            rel = 0.0 if equal else _relative(ref_grads, got)
+            rel = 0.0 if equal else relative_grads(ref_grads, got)
             # Within the tolerance remat-run --check documents (a chunked loss
             # sums in another order) is not a wrong gradient.
             row.grad_diff = 0.0 if equal or rel <= GRAD_RTOL else diff

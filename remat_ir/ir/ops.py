@@ -116,6 +116,31 @@ CPU_ONLY_OPS = frozenset({
 })
 
 
+def resolve(name: str):
+    """The OpOverload a plan names (`ns.op.overload`; `remat.*` ops are this
+    module's).  Raises AttributeError when this PyTorch build has none."""
+    ns, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+
+
+def torch_arg(a, ref):
+    """A node argument (`remat_ir.ir.Arg`) as the op takes it; `ref(name)`
+    gives the tensor a value name stands for."""
+    from remat_ir.ir.types import Device, DType, Layout, MemoryFormat, Ref, Seq, Special
+
+    if isinstance(a, Ref):
+        return ref(a.name)
+    if isinstance(a, Seq):
+        return [torch_arg(x, ref) for x in a.items]
+    if isinstance(a, (DType, Layout, MemoryFormat)):
+        return getattr(torch, a.name)
+    if isinstance(a, Device):
+        return torch.device(a.name)
+    if isinstance(a, Special):
+        return float(a.name)
+    return a
+
+
 def cpu_only(op: str) -> bool:
     """Whether the op named `op` (`ns.name.overload`) may run on CPU only:
     listed above, or one of ATen's CPU-specific kernels (`*_for_cpu*`,

@@ -40,6 +40,7 @@ class RewritePlanner:
             program, scope, solver, effort, exact, log)
         self._planners: dict[tuple, Planner] = {}
         self._programs: dict[tuple, Program] = {(): program}
+        self._own_planner: Planner | None = None  # the graph's own, block by block, for its floor
         if planner is not None:
             self._planners[()] = planner
 
@@ -102,10 +103,10 @@ class RewritePlanner:
         large graph with rewrites to try, one that plans block by block."""
         own = self.planner(())
         if not own.decompose and len(own.all_dec) > FLAT_FLOOR_DECISIONS and steps and self._blocks(()):
-            if "own" not in self._planners:
-                self._planners["own"] = Planner(self.program, self.scope, solver=self.solver, log=self.log,
-                                                effort=self.effort, decompose=True)
-            own = self._planners["own"]
+            if self._own_planner is None:
+                self._own_planner = Planner(self.program, self.scope, solver=self.solver, log=self.log,
+                                            effort=self.effort, decompose=True)
+            own = self._own_planner
         return own
 
     def optimize(self, budget: int, time_limit: float = DEFAULT_TIME_LIMIT) -> OptimizeResult:

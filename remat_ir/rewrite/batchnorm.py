@@ -26,8 +26,6 @@ import math
 import msgspec
 
 from remat_ir.ir import FORWARD, Program, Ref
-from remat_ir.ir.fingerprint import fingerprint
-from remat_ir.ir.schedule import default_schedule
 
 NAME = "batchnorm_split"
 _BN = "aten.native_batch_norm.default"
@@ -58,10 +56,4 @@ def split_batchnorm(program: Program) -> Program:
                        flops=math.prod(g.values[x.name].shape))
         nodes.append(stats)
         nodes.append(msgspec.structs.replace(n, args=[x, w, b, None, None, True, momentum, eps], mutates=[]))
-    header = msgspec.structs.replace(program.header, rewrites=list(program.header.rewrites) + [NAME],
-                                     comment=list(program.header.comment), lines={})
-    out = Program(header=header, values=g.declared(), nodes=nodes, forward=[], backward=[],
-                  outputs=list(program.outputs))
-    out.header.fingerprint = fingerprint(out)
-    out.forward, out.backward = default_schedule(out)
-    return out
+    return g.program_of(nodes, list(program.outputs), NAME)

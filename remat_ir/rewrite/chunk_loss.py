@@ -37,9 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat_ir.ir import BACKWARD, FORWARD, GRAD, PARAM, RESULT, Node, Program, Ref, Seq, node_inputs
-from remat_ir.ir.fingerprint import fingerprint
-from remat_ir.ir.schedule import default_schedule
+import msgspec
+
+from remat_ir.ir import (
+    BACKWARD, FORWARD, GRAD, PARAM, RESULT, DType, Node, Program, Ref, Seq, contiguous_stride, node_inputs,
+)
 
 NAME = "chunked_loss"
 
@@ -268,11 +270,11 @@ def chunk_loss(program: Program, chunks: int) -> Program:
         if r.fused:
             return add(g.node(f"{c}.logits", "remat.nll_log_softmax_backward.default",
                               [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index, Ref(n_i), Ref(lp), 1,
-                               _dtype(lp_dtype)], BACKWARD, mod, flops=2 * (b - a) * r.vocab), to)[0]
+                               DType(lp_dtype)], BACKWARD, mod, flops=2 * (b - a) * r.vocab), to)[0]
         gn = add(g.node(f"{c}.nll", _NLL_BWD[0], [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index,
                                                   Ref(n_i)], BACKWARD, mod), to)[0]
         return add(g.node(f"{c}.logits", "aten._log_softmax_backward_data.default",
-                          [Ref(gn), Ref(lp), 1, _dtype(lp_dtype)], BACKWARD, mod), to)[0]
+                          [Ref(gn), Ref(lp), 1, DType(lp_dtype)], BACKWARD, mod), to)[0]
 
     dw = None
 
@@ -312,7 +314,7 @@ def chunk_loss(program: Program, chunks: int) -> Program:
             op, args = "aten.alias.default", [Ref(new[kind])]
         elif old.shape == src.shape[::-1] and old.stride == src.stride[::-1]:
             op, args = "aten.t.default", [Ref(new[kind])]
-        elif old.stride == _contiguous(old.shape):
+        elif old.stride == contiguous_stride(old.shape):
             op, args = "aten.view.default", [Ref(new[kind]), Seq(list(old.shape))]
         else:
             raise NotApplicable(f"the gradient {name} has a layout the rewrite cannot make")
@@ -348,14 +350,8 @@ def chunk_loss(program: Program, chunks: int) -> Program:
         if n.name not in gone:
             nodes.append(swapped.get(n.name) or _renamed(n, rename))
     nodes = _without_dead_views(nodes, {o.value for o in program.outputs})
-    alive = {o for n in nodes for o in n.outputs if o} | {v.name for v in program.values if v.kind != "value"}
-    new_values = [v for v in g.declared() if v.name in alive]
-    outputs = [type(o)(kind=o.kind, key=o.key, value=rename.get(o.value, o.value)) for o in program.outputs]
-    out = Program(header=_header(program.header, f"{NAME}:{chunks}"), values=new_values, nodes=nodes,
-                  forward=[], backward=[], outputs=outputs)
-    out.header.fingerprint = fingerprint(out)
-    out.forward, out.backward = default_schedule(out)
-    return out
+    outputs = [msgspec.structs.replace(o, value=rename.get(o.value, o.value)) for o in program.outputs]
+    return g.program_of(nodes, outputs, f"{NAME}:{chunks}")
 
 
 def _tied_add(program: Program, r: Region, values) -> tuple | None:
@@ -395,18 +391,6 @@ def _without_dead_views(nodes: list[Node], kept: set) -> list[Node]:
         nodes = [n for n in nodes if n.name not in dead]
 
 
-def _contiguous(shape):
-    from remat_ir.ir import contiguous_stride
-
-    return contiguous_stride(list(shape))
-
-
-def _dtype(name: str):
-    from remat_ir.ir import DType
-
-    return DType(name)
-
-
 def _renamed(n: Node, rename: dict) -> Node:
     if not rename:
         return n
@@ -418,15 +402,7 @@ def _renamed(n: Node, rename: dict) -> Node:
             return Seq([fix(x) for x in a.items])
         return a
 
-    import msgspec
-
     return msgspec.structs.replace(n, args=[fix(a) for a in n.args],
                                    kwargs={k: fix(v) for k, v in n.kwargs.items()},
                                    mutates=[rename.get(m, m) for m in n.mutates])
 
-
-def _header(h, spec: str):
-    import msgspec
-
-    return msgspec.structs.replace(h, rewrites=list(h.rewrites) + [spec], comment=list(h.comment),
-                                   lines={})

@@ -117,13 +117,18 @@ def plain_twin(unit: torch.nn.Module) -> torch.nn.Module:
     reads parameters from.  FSDP2 swaps gathered and sharded parameters in
     the (shared) submodules, so the twin sees whatever the unit holds now."""
     twin = object.__new__(_plain_class(unit))
-    state = dict(unit.__dict__)
+    twin.__dict__.update(_hookless_state(unit))
+    return twin
+
+
+def _hookless_state(m: torch.nn.Module) -> dict:
+    """`m.__dict__` without FSDP2's forward and with its hook dicts empty."""
+    state = dict(m.__dict__)
     state.pop("forward", None)
     for name in _HOOK_DICTS:
         if name in state:
             state[name] = collections.OrderedDict()
-    twin.__dict__.update(state)
-    return twin
+    return state
 
 
 class _UnitForward:
@@ -298,11 +303,7 @@ def _root_twin(wrapper, mode):
             r = units[id(m)]
             return _StandIn(_unit_program(r), r.path)
         t = object.__new__(_plain_class(m))
-        state = dict(m.__dict__)
-        state.pop("forward", None)
-        for name in _HOOK_DICTS:
-            if name in state:
-                state[name] = collections.OrderedDict()
+        state = _hookless_state(m)
         state["_parameters"] = {k: None if p is None else fake(p) for k, p in m._parameters.items()}
         state["_modules"] = {k: None if c is None else twin(c) for k, c in m._modules.items()}
         t.__dict__.update(state)

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from remat_ir import ir
 
-from remat_ir.ir import ops  # noqa: F401 - registers the remat.* ops that plans name
+from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops that plans name)
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
@@ -34,9 +34,8 @@ from remat_ir.trace.calls import split_call
 
 
 def _resolve_op(name: str):
-    ns, op, overload = name.split(".")
     try:
-        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+        return resolve(name)
     except AttributeError as e:
         raise PlanMismatch(f"unknown op {name} in this PyTorch build") from e
 

@@ -8,8 +8,7 @@ import time
 import msgspec
 
 from remat_ir.ir import (
-    BUFFER, COMPUTE, COST_PROFILE, INPUT, PARAM, TANGENT, Device, DType, Layout, MemoryFormat, Node,
-    Program, Ref, Seq, Special,
+    BUFFER, COMPUTE, COST_PROFILE, INPUT, PARAM, TANGENT, Node, Program, Ref, Seq,
 )
 
 
@@ -40,6 +39,7 @@ def profile_costs(program: Program, module, inputs, *, repeats: int = 5, warmup:
     import torch
 
     from remat_ir.runtime.interpret import _resolve_op
+    from remat_ir.ir.ops import torch_arg
     from remat_ir.ir.schedule import default_schedule
 
     if repeats < 1 or warmup < 0:
@@ -79,17 +79,7 @@ def profile_costs(program: Program, module, inputs, *, repeats: int = 5, warmup:
     cuda = device.type == "cuda"
 
     def arg(a):
-        if isinstance(a, Ref):
-            return env[a.name]
-        if isinstance(a, Seq):
-            return [arg(x) for x in a.items]
-        if isinstance(a, (DType, Layout, MemoryFormat)):
-            return getattr(torch, a.name)
-        if isinstance(a, Device):
-            return torch.device(a.name)
-        if isinstance(a, Special):
-            return float(a.name)
-        return a
+        return torch_arg(a, env.__getitem__)
 
     samples: dict[str, list] = {}  # seconds, or CUDA (start, end) event pairs until the end
     nodes = program.node_map()
