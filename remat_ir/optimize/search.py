@@ -824,7 +824,7 @@ class Planner:
             c.B.value = float(budget)
             if c.y is None:
                 continue
-            c.y.value = np.array([1.0 if d in kept else 0.0 for d in c.m.dec])
+            c.y.value = np.array([0.0 if d in kept else 1.0 for d in c.m.dec])  # 1: recompute
             name = f"window {segs[i].name}+{segs[i + 1].name}"
             got, _ = self._solve(c, name, nodes=self.settings.window_nodes, warm=True)
             if got is None:
