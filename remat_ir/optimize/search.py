@@ -803,13 +803,14 @@ class Planner:
 
     def refine_windows(self, plan: Plan, budget: int) -> Plan:
         """Re-solve the decisions of two adjacent segments at a time with the
-        exact (flat) memory model, every other decision held at `plan`'s,
-        warm-started from `plan`: the segment models and the combine only
-        approximate what segments cost each other.  Each window keeps the
-        cheaper plan that fits.  With `all_windows` every window is solved;
-        otherwise only a window that holds every decision (two segments: one
-        warm-started flat MILP), since on longer chains each window costs
-        seconds."""
+        exact (flat) memory model, every other decision held at `plan`'s:
+        the segment models and the combine only approximate what segments
+        cost each other.  Each window keeps the cheaper plan that fits.  With
+        `all_windows` every window is solved; otherwise only a window that
+        holds every decision (two segments: the flat MILP itself), since on
+        longer chains each window costs seconds.  (No warm start: cvxpy's
+        HiGHS interface only reuses a previous solve of the same problem
+        object, and each window is a new one.)"""
         self.last_window_whole = False
         segs = [s for s in self.segs if s.decisions]
         if len(segs) < 2 or (not self.settings.all_windows and len(segs) > 2):
@@ -824,13 +825,12 @@ class Planner:
             c.B.value = float(budget)
             if c.y is None:
                 continue
-            c.y.value = np.array([0.0 if d in kept else 1.0 for d in c.m.dec])  # 1: recompute
             name = f"window {segs[i].name}+{segs[i + 1].name}"
-            got, _ = self._solve(c, name, nodes=self.settings.window_nodes, warm=True)
+            got, _ = self._solve(c, name, nodes=self.settings.window_nodes)
             if got is None:
                 continue
             if len(segs) == 2:
-                self.last_window_whole = True  # that MILP was the flat one, warm-started
+                self.last_window_whole = True  # that MILP was the flat one
             p2 = self.evaluate(set(got) | {d for d, v in fixed.items() if v})
             self.say(f"  {name}: simulated {human_bytes(p2.peak)}, +{self.cost_text(p2.cost)}")
             if p2.peak <= budget and p2.cost < plan.cost:
