@@ -591,7 +591,7 @@ def _threads() -> str:
 def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     a = ctx.args
     eager = next(r for r in rows if r.key == "eager")
-    e_act, e_time = eager.act_peak, eager.step_time
+    e_act = eager.act_peak
     n_params = sum(p.numel() for p in ctx.base.parameters())
     shapes = ", ".join(f"{tuple(x.shape)}" for x in ctx.inputs if isinstance(x, torch.Tensor))
     lines = [

@@ -148,7 +148,10 @@ class KeepModel:
                 return {CONST: 1.0, self.ypos[k]: -1.0}
             return {CONST: float(fixed.get(k, 1))}
 
-        self.keep = keep
+        def recompute(n: int) -> dict:
+            return lin((1.0, {CONST: 1.0}), (-1.0, keep(n)))
+
+        self.keep, self.recompute = keep, recompute
         # Recomputable nodes in scope.
         rec = []
         for n in sorted(scope_nodes):
@@ -160,9 +163,9 @@ class KeepModel:
         # on when its input is needed (when a consumer of the view is, or from
         # the view's own first backward read).  Such views are left out of the
         # model, their consumers and first reads handed to their inputs: an
-        # exact contraction that removes 30-45% of a transformer's variables
-        # and rows.  A view with a recompute cost is kept unless it is surely
-        # recomputed when dropped (read in backward), where its cost is linear.
+        # exact contraction.  A view with a recompute cost is kept unless it is
+        # surely recomputed when dropped (read in backward), where its cost is
+        # linear.
         def contractible(v: int) -> bool:
             if a.kind[v] != VIEW or (a.cost[v] and a.dfirst[v] >= NEVER):
                 return False
@@ -241,7 +244,7 @@ class KeepModel:
             return {}
         p = pts[i]
         if p == self.dfirst[n]:
-            return lin((1.0, {CONST: 1.0}), (-1.0, self.keep(n)))
+            return self.recompute(n)
         return {self.xvar[(n, p)]: 1.0}
 
     def RC(self, n: int, e_idx: int) -> dict:
@@ -309,7 +312,7 @@ class KeepModel:
             for p1, p2 in zip(pts, pts[1:]):
                 self.row(lin((1.0, self.X(n, p1)), (-1.0, self.X(n, p2))))
             if pts and dfirst[n] == NEVER:
-                self.row(lin((1.0, self.X(n, pts[-1])), (-1.0, {CONST: 1.0}), (1.0, self.keep(n))))
+                self.row(lin((1.0, self.X(n, pts[-1])), (-1.0, self.recompute(n))))
             for p in pts:
                 if p >= dfirst[n]:
                     continue
@@ -485,7 +488,7 @@ class KeepModel:
                 _add(obj, self.X(n, last_stage), float(c))
         for v in self.contracted:  # recomputed exactly when dropped (see __init__)
             if a.cost[v]:
-                _add(obj, lin((1.0, {CONST: 1.0}), (-1.0, self.keep(v))), float(a.cost[v]))
+                _add(obj, self.recompute(v), float(a.cost[v]))
         self.obj = obj
         return self
 
