@@ -53,15 +53,18 @@ def tiny():
     return module, inputs, remat_ir.compile(module, inputs)
 
 
-def test_chunked_loss_verifies_round_trips_and_trains_within_tolerance(tiny):
+@pytest.mark.parametrize("spec", ["chunked_loss:4", "chunked_loss:4:late"])
+def test_chunked_loss_verifies_round_trips_and_trains_within_tolerance(tiny, spec):
     _, inputs, program = tiny
-    plan = apply(program, ["chunked_loss:4"])
-    assert plan.header.rewrites == ["chunked_loss:4"]
+    plan = apply(program, [spec])
+    assert plan.header.rewrites == [spec]
     assert verify(plan).ok, verify(plan)
     text = format_program(plan)
-    assert "rewrites chunked_loss:4" in text
+    assert f"rewrites {spec}\n" in text
     assert format_program(parse_program(text)) == text
     assert sum(n.op == "aten.nll_loss_forward.default" for n in plan.nodes) == 4
+    # late: no head weight gradient of its own; four in-place sums into the embedding's
+    assert sum(n.op == "aten.addmm_.default" for n in plan.nodes) == (4 if spec.endswith("late") else 3)
     eager = _grads(build_builtin("gpt2-tiny")[0], inputs, steps=2)
     chunked = _grads(build_builtin("gpt2-tiny")[0], inputs, plan, steps=2)  # the model is checked: replayed
     worst = max(relative_difference(a, b) for (_, ga, _), (_, gb, _) in zip(chunked, eager)
@@ -110,10 +113,15 @@ def test_a_budget_the_graph_fits_gets_no_rewrite(tiny):
     ("count", "not 3 chunks"),
     ("unknown", "unknown rewrite"),
     ("other weight", "the weight gradient must"),
+    ("late, other rows", "must be made again in backward exactly once"),
+    ("late, other targets", "must be made again in backward exactly once"),
+    ("late, a chunk twice", "every chunk's contribution exactly once"),
+    ("late, not the gradient", "must be the gradient output"),
+    ("late, not late", "every chunk's contribution exactly once"),
 ])
 def test_the_verifier_rejects_a_chunked_region_that_is_not_the_loss(tiny, mutation, message):
     _, _, program = tiny
-    plan = _copy(apply(program, ["chunked_loss:4"]))
+    plan = _copy(apply(program, ["chunked_loss:4:late" if mutation.startswith("late") else "chunked_loss:4"]))
     nodes = plan.node_map()
     if mutation == "drop a chunk from the sum":
         n = nodes["lm_head.loss_sum_1"]
@@ -125,6 +133,18 @@ def test_the_verifier_rejects_a_chunked_region_that_is_not_the_loss(tiny, mutati
         plan.header.rewrites = ["chunked_loss:3"]
     elif mutation == "unknown":
         plan.header.rewrites = ["fuse_everything"]
+    elif mutation == "late, other rows":
+        nodes["lm_head.late2.logits"].args = [Ref("lm_head.chunk1.x"), nodes["lm_head.late2.logits"].args[1]]
+    elif mutation == "late, other targets":
+        n = nodes["d.lm_head.late1.logits"]
+        n.args = [n.args[0], n.args[1], Ref("lm_head.chunk0.target")] + n.args[3:]
+    elif mutation == "late, a chunk twice":
+        n = nodes["d.lm_head.weight_acc_1"]
+        n.args = [n.args[0], Ref("d.lm_head.late0.logits_t"), Ref("lm_head.chunk0.x")]
+    elif mutation == "late, not the gradient":
+        plan.outputs = [o for o in plan.outputs if o.value != "d.lm_head.add"]
+    elif mutation == "late, not late":
+        plan.header.rewrites = ["chunked_loss:4"]
     else:
         n = nodes["d.lm_head.weight_acc"]
         n.args = [n.args[0], n.args[1], Ref("lm_head.chunk0.x")]  # chunk 1's gradient times chunk 0's rows
@@ -141,6 +161,10 @@ def test_an_unknown_or_inapplicable_rewrite_is_refused_by_name():
         apply(program, ["chunked_loss"])
     with pytest.raises(NotApplicable, match="chunks must be between"):
         apply(program, ["chunked_loss:64"])
+    with pytest.raises(NotApplicable, match="unknown rewrite"):
+        apply(program, ["chunked_loss:4:soon"])
+    with pytest.raises(NotApplicable, match="not tied"):  # the mlp's head has a weight of its own
+        apply(program, ["chunked_loss:4:late"])
 
 
 # ------------------------------------------------------------------ BatchNorm
@@ -229,18 +253,26 @@ def test_transformers_heads_are_chunked_with_their_logits_kept(kind):
     assert max(relative_difference(a, b) for a, b in zip(grads[1], grads[0])) < GRAD_RTOL
 
 
-def test_a_tied_gradient_summed_in_place_is_taken_by_autograd_as_predicted():
-    # The chunked head adds its weight gradient into the embedding's in place:
-    # the sum is the embedding gradient's own tensor.  On the first step (no
-    # `.grad`) autograd must take that storage, not clone it, or the measured
-    # peak exceeds the prediction by a weight.  Here the sum is the step's
-    # peak: a one-block GPT with a wide vocabulary, at its floor.
+@pytest.mark.parametrize("late", [True, False])
+def test_a_tied_gradient_summed_in_place_is_taken_by_autograd_as_predicted(late):
+    # The chunked head adds its weight gradient into the embedding's in place
+    # (late: each chunk's share, at the end of backward): the sum is the
+    # embedding gradient's own tensor.  On the first step (no `.grad`)
+    # autograd must take that storage, not clone it, or the measured peak
+    # exceeds the prediction by a weight.  Here the sum is the step's peak: a
+    # one-block GPT with a wide vocabulary, at its floor.
     from remat_ir.runtime.load import LoadedModel
 
     module, inputs = _wide_head()
-    plan = fit(remat_ir.compile(module, inputs), "floor", scope=SCOPE)
-    assert plan.header.rewrites[0].startswith("chunked_loss:")
-    assert any(n.op == "aten.add_.Tensor" and n.phase == "backward" for n in plan.nodes)
+    program = remat_ir.compile(module, inputs)
+    plan = fit(program, "floor", scope=SCOPE)
+    (spec,) = plan.header.rewrites
+    assert spec.startswith("chunked_loss:") and spec.endswith(":late")  # the lowest floor
+    if not late:
+        plain = fit(apply(program, [spec.removesuffix(":late")]), "floor", scope=SCOPE)
+        assert verify(plan).report.activation_peak_bytes < verify(plain).report.activation_peak_bytes
+        plan = plain
+        assert any(n.op == "aten.add_.Tensor" and n.phase == "backward" for n in plan.nodes)
     r = run_plan(plan, LoadedModel(name="wide", module=_wide_head()[0], inputs=inputs, loss=None), steps=2)
     assert r.measured_first_peak - r.predicted_first.peak_bytes <= 8
     assert r.measured_peak - r.predicted.peak_bytes <= 8

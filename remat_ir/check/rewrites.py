@@ -17,6 +17,13 @@ for computed:
   the activation's gradient concatenates, in row order, one `g_i @ W` per
   chunk; the weight's gradient is `g_0.T @ x_0` accumulated in place with
   `g_i.T @ x_i` for every other chunk once (the bias's: the row sums).
+* ``chunked_loss:K:late``: the same, except for the weight's gradient: each
+  chunk's logits gradient is made again in backward, by the same ops on the
+  same operands (the chunk's logits, or its rows of `x` times the weight's
+  transpose, its `log_softmax`, its loss backward with the same arguments),
+  and `g_i.T @ x_i` of every chunk is added once, in place, into one
+  weight-shaped tensor whose final value is the weight's gradient output
+  (the embedding's gradient of a tied weight).
 * ``batchnorm_split``: every `batch_norm_update_stats` (the running-stat
   update) has a `native_batch_norm` on the same input, in training, with
   the same momentum, that reads no running statistics.
@@ -25,7 +32,7 @@ for computed:
 """
 from __future__ import annotations
 
-from remat_ir.ir.types import BACKWARD, FORWARD, Program, Ref, Seq, node_inputs
+from remat_ir.ir.types import BACKWARD, FORWARD, GRAD, Program, Ref, Seq, node_inputs
 
 __all__ = ["check_rewrites"]
 
@@ -39,14 +46,16 @@ def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
     line = program.header.lines.get("rewrites", 0)
     for spec in program.header.rewrites:
         name, _, arg = spec.partition(":")
-        if name == "chunked_loss" and arg.isdigit() and int(arg) >= 2:
+        k, _, late = arg.partition(":")
+        if name == "chunked_loss" and k.isdigit() and int(k) >= 2 and late in ("", "late"):
             errors += [(("header", -1, line), f"rewrite {spec}: {m}") if loc is None else (loc, m)
-                       for loc, m in _Chunks(program, int(arg)).check()]
+                       for loc, m in _Chunks(program, int(k), bool(late)).check()]
         elif name == "batchnorm_split" and not arg:
             errors += _batchnorm(program)
         else:
             errors.append((("header", -1, line), f"unknown rewrite {spec!r}: remat-ir knows "
-                                                 f"{', '.join(_KNOWN)} (chunked_loss:K, K >= 2 chunks)"))
+                                                 f"{', '.join(_KNOWN)} (chunked_loss:K or chunked_loss:K:late, "
+                                                 "K >= 2 chunks)"))
     return errors
 
 
@@ -55,9 +64,10 @@ def _loc(n) -> tuple:
 
 
 class _Chunks:
-    def __init__(self, program: Program, k: int):
+    def __init__(self, program: Program, k: int, late: bool = False):
         self.p = program
         self.k = k
+        self.late = late
         self.values = program.value_map()
         self.producer = program.producer_map()
         self.errors: list = []
@@ -138,7 +148,7 @@ class _Chunks:
                           "weight's transpose", mm)
                 return None
             c.update(mode="matmul", x=xr[0], weight_t=wt.name, bias=bias.name if bias else None, a=xr[1],
-                     b=xr[2])
+                     b=xr[2], mm=mm)
         else:
             lr = self.rows(logits)
             if lr is None:
@@ -196,7 +206,7 @@ class _Chunks:
 
     def check_backward(self, chunks):
         producer = self.producer
-        grads, per_chunk = set(), {}
+        grads, per_chunk, late = set(), {}, {}
         for c in chunks:
             lp = c["lsm"].outputs[0]
             gl = [n for n in self.p.nodes if n.phase == BACKWARD and n.op in (
@@ -223,6 +233,11 @@ class _Chunks:
                         return
                     g = nxt[0]
                 per_chunk[c["a"]].append(g.outputs[0])
+            if self.late:
+                made = self.made_again(c, gl[0])
+                if made is None:
+                    return
+                late[c["a"]] = [made]
         if len(grads) != 1:
             self.fail("the chunks' loss backward nodes read different loss gradients")
             return
@@ -256,8 +271,10 @@ class _Chunks:
         if not ok:
             self.fail("the activation's gradient must concatenate, in row order, each chunk's "
                       "logits gradient times the weight")
-        # dW: one mm then one in-place addmm per other chunk, each chunk once.
+        # dW: one mm then one in-place addmm per other chunk, each chunk once
+        # (late: an in-place addmm per chunk into the tied weight's other gradient).
         bounds = {c["a"]: c["b"] for c in chunks}
+        source = {g: a for a, gs_ in list(per_chunk.items()) + list(late.items()) for g in gs_}
         seen = []
         for n in self.p.nodes:
             if n.phase != BACKWARD:
@@ -265,19 +282,79 @@ class _Chunks:
             if n.op in ("aten.mm.default", "aten.addmm_.default"):
                 lhs, rhs = (n.args[0], n.args[1]) if n.op == "aten.mm.default" else (n.args[1], n.args[2])
                 t = producer.get(lhs.name) if isinstance(lhs, Ref) else None
-                if t is not None and t.op == "aten.t.default" and any(t.args[0] == Ref(g) for gs_ in order
-                                                                      for g in gs_):
-                    a = next(a for a, gs_ in per_chunk.items() if any(Ref(g) == t.args[0] for g in gs_))
+                if t is not None and t.op == "aten.t.default" and isinstance(t.args[0], Ref) and (
+                        t.args[0].name in source):
+                    a = source[t.args[0].name]
+                    if (t.args[0].name in late.get(a, ())) != self.late:
+                        self.fail(f"{n.name}: the weight gradient must take each chunk's logits gradient "
+                                  + ("made again at the end of backward" if self.late else "of the loss"), n)
+                        return
                     if self.rows(rhs) != (x_name, a, bounds[a]):
                         self.fail(f"{n.name}: chunk rows [{a}, {bounds[a]}) of the weight gradient must "
                                   "multiply the same rows of the activation", n)
                         return
-                    if n.op == "aten.addmm_.default" and (not seen or n.args[0] != Ref(seen[-1][1])):
+                    into = seen[-1][1] if seen else None
+                    if n.op == "aten.mm.default":
+                        ok = into is None and not self.late
+                    else:
+                        ok = isinstance(n.args[0], Ref) and (self.late if into is None else n.args[0].name == into)
+                    if not ok:
                         self.fail(f"{n.name}: the weight gradient must accumulate in place into one tensor", n)
+                        return
+                    if into is None and self.late and not self.tied_base(n.args[0].name, weight, n):
                         return
                     seen.append((a, n.outputs[0]))
         if sorted(a for a, _ in seen) != sorted(per_chunk):
             self.fail("the weight gradient must take every chunk's contribution exactly once")
+        elif self.late and not any(o.kind == GRAD and o.key == weight and o.value == seen[-1][1]
+                                   for o in self.p.outputs):
+            self.fail(f"{seen[-1][1]}: the late weight gradient's sum must be the gradient output of {weight}")
+
+    def made_again(self, c, g):
+        """The logits gradient of chunk `c` made again in backward by the same
+        ops on the same operands as its loss backward `g`; None (and an
+        error) when there is not exactly one."""
+        lp = c["lsm"].outputs[0]
+        found = []
+        for n in self.p.nodes:
+            if n.phase != BACKWARD or n.op != g.op or len(n.args) != len(g.args) or n is g:
+                continue
+            lsm = self.producer.get(n.args[1].name) if isinstance(n.args[1], Ref) else None
+            if lsm is None or lsm.phase != BACKWARD or lsm.op != c["lsm"].op or lsm.args[1:] != c["lsm"].args[1:]:
+                continue
+            again = Ref(lsm.outputs[0])
+            if [again if a == Ref(lp) else a for a in g.args] != n.args:
+                continue
+            logits = lsm.args[0]
+            if c["mode"] == "matmul":
+                mm = self.producer.get(logits.name) if isinstance(logits, Ref) else None
+                if mm is None or mm.op != c["mm"].op or mm.args != c["mm"].args or mm.kwargs:
+                    continue
+            elif logits != c["lsm"].args[0]:
+                continue
+            if n.op == "aten.nll_loss_backward.default":
+                nxt = [m for m in self.p.nodes if m.op == "aten._log_softmax_backward_data.default"
+                       and m.args[0] == Ref(n.outputs[0]) and m.args[1] == again]
+                if len(nxt) != 1:
+                    continue
+                n = nxt[0]
+            found.append(n.outputs[0])
+        if len(found) != 1:
+            self.fail(f"chunk {c['node'].name}: late, its logits gradient must be made again in backward "
+                      f"exactly once, by the same ops on the same operands (found {len(found)})", c["node"])
+            return None
+        return found[0]
+
+    def tied_base(self, name: str, weight: str, n) -> bool:
+        """Whether `name`, which the late weight gradient accumulates into,
+        is a weight-shaped tensor of its own (the tied weight's other gradient)."""
+        v, w = self.values.get(name), self.values[weight]
+        if v is None or v.storage != v.name or v.shape != w.shape or v.dtype != w.dtype:
+            self.fail(f"{n.name}: the late weight gradient must accumulate into a tensor of its own shaped "
+                      f"like {weight}", n)
+            return False
+        return True
+
 
     def _slice_head(self, chunks):
         """(weight, activation) of the one matmul whose result the chunks slice."""

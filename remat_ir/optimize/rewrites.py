@@ -6,12 +6,17 @@ below its floor.  Then the ladder, least change first:
     batchnorm_split                     (when the graph has a training BatchNorm;
                                          eager's bits, so allowed under `exact`)
     [batchnorm_split,] chunked_loss:K   K = 2, 4, 8, ... (not under `exact`)
+    [batchnorm_split,] chunked_loss:K:late
+                                        a head weight tied to the embedding:
+                                        its head gradient made at the end of
+                                        backward (more compute, a weight less held)
 
 Whether a rung fits is decided by its floor when the rewritten graph is
 planned block by block (large graphs, where that search takes seconds),
 else by a node-limited search at the budget, then by the floor.  The rungs
-are tried in order until one fits (the fewest chunks that fit), and the
-next count up is planned too: the one with the lower
+are tried in order until one fits (the fewest chunks that fit; a family,
+plain or late, whose most chunks do not fit is passed over whole), and the
+next count up in that family is planned too: the one with the lower
 total cost (every op of the rewritten step plus its recomputes, in the
 program's cost model) wins, the fewer chunks on a tie.  Each graph gets its
 own `Planner`, kept for later budgets.
@@ -23,7 +28,7 @@ from remat_ir.optimize.blocks import segments
 from remat_ir.optimize.family import Analysis
 from remat_ir.optimize.search import DEFAULT_TIME_LIMIT, Infeasible, OptimizeResult, Planner, optimize
 from remat_ir.rewrite import (
-    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_LOSS, apply, chunk_choices, describe, has_batchnorm,
+    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_LOSS, apply, chunk_choices, describe, has_batchnorm, late_applies,
 )
 
 
@@ -49,7 +54,10 @@ class RewritePlanner:
         base = (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
         steps = [base] if base else []
         if not self.exact or BIT_EXACT[CHUNKED_LOSS]:
-            steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in chunk_choices(self.program)]
+            ks = chunk_choices(self.program)
+            steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in ks]
+            if ks and late_applies(self.program):
+                steps += [base + (f"{CHUNKED_LOSS}:{k}:late",) for k in ks]
         return steps
 
     def rewritten(self, specs: tuple) -> Program:
@@ -161,16 +169,28 @@ class RewritePlanner:
             lo = 1
         # The fewest chunks that fit, counting up: a budget just under the
         # graph's own floor, the usual case, needs few, and a graph of more
-        # chunks takes longer to plan.
-        while lo < len(steps) and not fits(lo):
-            lo += 1
+        # chunks takes longer to plan.  A family whose most chunks do not fit
+        # is passed over with one test.
+        def family_end(i: int) -> int:
+            late = steps[i][-1].endswith(":late")
+            while i + 1 < len(steps) and steps[i + 1][-1].endswith(":late") == late:
+                i += 1
+            return i
+
+        while lo < len(steps):
+            end = family_end(lo)
+            if fits(end):
+                while not fits(lo):
+                    lo += 1
+                break
+            lo = end + 1
         if lo == len(steps):
             try:
                 return self._optimize(steps[-1], budget, time_limit, prove=True)
             except Infeasible as e:
                 raise _explained(e, steps[-1]) from None
         best = plan(lo)
-        if lo + 1 < len(steps) and fits(lo + 1):
+        if lo + 1 <= family_end(lo) and fits(lo + 1):
             more = plan(lo + 1)
             if _total(more) < _total(best):
                 best = more

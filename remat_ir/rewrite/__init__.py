@@ -9,6 +9,9 @@ that it can:
     chunked_loss:K      the LM head and cross-entropy in K row chunks, so no
                         logits-sized tensor is ever whole (not eager's bits:
                         float sums in another order)
+    chunked_loss:K:late the same, and a head weight tied to the embedding gets
+                        its head gradient at the end of backward, from the
+                        chunks made again, so it is not held through backward
 
 A rewrite is a pure function Program -> Program that returns the rewritten
 graph with its unoptimized schedule and names itself in `Header.rewrites`.
@@ -24,10 +27,10 @@ from remat_ir.rewrite.batchnorm import NAME as BATCHNORM_SPLIT
 from remat_ir.rewrite.batchnorm import candidates as batchnorm_candidates
 from remat_ir.rewrite.batchnorm import split_batchnorm
 from remat_ir.rewrite.chunk_loss import NAME as CHUNKED_LOSS
-from remat_ir.rewrite.chunk_loss import NotApplicable, chunk_loss, region
+from remat_ir.rewrite.chunk_loss import NotApplicable, chunk_loss, region, tied
 
 __all__ = ["BATCHNORM_SPLIT", "BIT_EXACT", "CHUNKED_LOSS", "NotApplicable", "apply", "chunk_choices",
-           "describe", "has_batchnorm", "keeps_bits"]
+           "describe", "has_batchnorm", "keeps_bits", "late_applies"]
 
 # Whether a rewrite keeps eager's bits (`--exact` allows only these).
 BIT_EXACT = {BATCHNORM_SPLIT: True, CHUNKED_LOSS: False}
@@ -41,12 +44,18 @@ def apply(program: Program, names: list[str]) -> Program:
         name, _, arg = spec.partition(":")
         if name == BATCHNORM_SPLIT and not arg:
             program = split_batchnorm(program)
-        elif name == CHUNKED_LOSS and arg.isdigit():
-            program = chunk_loss(program, int(arg))
+        elif name == CHUNKED_LOSS and _chunks(arg):
+            program = chunk_loss(program, *_chunks(arg))
         else:
-            raise NotApplicable(f"unknown rewrite {spec!r}: expected {BATCHNORM_SPLIT} or {CHUNKED_LOSS}:K "
-                                "(K chunks)")
+            raise NotApplicable(f"unknown rewrite {spec!r}: expected {BATCHNORM_SPLIT}, {CHUNKED_LOSS}:K "
+                                f"(K chunks) or {CHUNKED_LOSS}:K:late")
     return program
+
+
+def _chunks(arg: str) -> tuple[int, bool] | None:
+    """(K, late) from "K" or "K:late"; None for anything else."""
+    k, _, late = arg.partition(":")
+    return (int(k), bool(late)) if k.isdigit() and late in ("", "late") else None
 
 
 def keeps_bits(names: list[str]) -> bool:
@@ -74,13 +83,24 @@ def chunk_choices(program: Program, smallest_rows: int = 16, most: int = 32) -> 
     return out
 
 
+def late_applies(program: Program) -> bool:
+    """Whether `chunked_loss:K:late` applies: the head's weight is tied."""
+    try:
+        return tied(program)
+    except NotApplicable:
+        return False
+
+
 
 def describe(names: list[str]) -> str:
     """The rewrites in words, for CLI output and plan comments."""
     words = []
     for spec in names:
         name, _, arg = spec.partition(":")
-        words.append(f"LM head and loss in {arg} chunks" if name == CHUNKED_LOSS
+        k, _, late = arg.partition(":")
+        words.append(f"LM head and loss in {k} chunks" + (
+                     ", the tied weight's head gradient made at the end of backward" if late else "")
+                     if name == CHUNKED_LOSS
                      else "BatchNorm split (running-stat update + recomputable normalization)"
                      if name == BATCHNORM_SPLIT else spec)
     return "; ".join(words)

@@ -213,15 +213,23 @@ def _terminal(n: Node, values, x: str, weight: str, region_vals: set) -> str:
     return ""
 
 
-def chunk_loss(program: Program, chunks: int) -> Program:
+def chunk_loss(program: Program, chunks: int, late: bool = False) -> Program:
     """`program` with its LM head and loss split into `chunks` row chunks,
-    and the unoptimized schedule for the new graph.  Raises NotApplicable."""
+    and the unoptimized schedule for the new graph.  With `late` (a head
+    weight tied to the embedding), the head's weight gradient is made at the
+    end of backward instead.  Raises NotApplicable."""
     from remat_ir.rewrite.build import GraphEdit, matmul_flops
 
     r = region(program)
     if not 2 <= chunks <= r.rows:
         raise NotApplicable(f"chunks must be between 2 and the {r.rows} rows, not {chunks}")
     values = program.value_map()
+    tied_add = _tied_add(program, r, values)
+    if late and tied_add is None:
+        raise NotApplicable("late: the head's weight is not tied (its gradient is not added to another "
+                            "gradient of the same weight)")
+    if late and [v for v, k in r.frontier.items() if k == "weight"] != [tied_add[1]]:
+        raise NotApplicable("late: the head's weight gradient is read by more than the tied sum")
     g = GraphEdit(program)
     mod = r.module or "head"
     d = values[r.x].shape[1]
@@ -233,20 +241,26 @@ def chunk_loss(program: Program, chunks: int) -> Program:
         to.append(node)
         return node.outputs
 
-    xs, ts, lps, nlls = [], [], [], []
+    def logits(i: int, c: str, phase: str, to: list) -> str:
+        """Chunk i's logits: rows of the kept logits, or its rows of x times W.T (+ b)."""
+        a, b = bounds[i]
+        if r.kept:  # the caller keeps the logits whole: backward reads forward's slice of them
+            return lis[i] if phase == BACKWARD else add(
+                g.node(f"{c}.logits", "aten.slice.Tensor", [Ref(r.logits), 0, a, b], phase, mod), to)[0]
+        if r.bias is None:
+            return add(g.node(f"{c}.logits", "aten.mm.default", [Ref(xs[i]), Ref(r.weight_t)], phase, mod,
+                              flops=matmul_flops(b - a, d, r.vocab)), to)[0]
+        return add(g.node(f"{c}.logits", "aten.addmm.default", [Ref(r.bias), Ref(xs[i]), Ref(r.weight_t)],
+                          phase, mod, flops=matmul_flops(b - a, d, r.vocab)), to)[0]
+
+    xs, ts, lps, nlls, lis = [], [], [], [], []
     for i, (a, b) in enumerate(bounds):
         c = f"{mod}.chunk{i}"
         xs.append(add(g.node(f"{c}.x", "aten.slice.Tensor", [Ref(r.x), 0, a, b], FORWARD, mod), fwd)[0])
         ts.append(add(g.node(f"{c}.target", "aten.slice.Tensor", [Ref(r.target), 0, a, b], FORWARD, mod),
                       fwd)[0])
-        if r.kept:
-            li = add(g.node(f"{c}.logits", "aten.slice.Tensor", [Ref(r.logits), 0, a, b], FORWARD, mod), fwd)[0]
-        elif r.bias is None:
-            li = add(g.node(f"{c}.logits", "aten.mm.default", [Ref(xs[i]), Ref(r.weight_t)], FORWARD, mod,
-                            flops=matmul_flops(b - a, d, r.vocab)), fwd)[0]
-        else:
-            li = add(g.node(f"{c}.logits", "aten.addmm.default", [Ref(r.bias), Ref(xs[i]), Ref(r.weight_t)],
-                            FORWARD, mod, flops=matmul_flops(b - a, d, r.vocab)), fwd)[0]
+        li = logits(i, c, FORWARD, fwd)
+        lis.append(li)
         lps.append(add(g.node(f"{c}.log_softmax", _LOG_SOFTMAX, [Ref(li), 1, False], FORWARD, mod), fwd)[0])
         nlls.append(add(g.node(f"{c}.nll", _NLL, [Ref(lps[i]), Ref(ts[i]), None, _SUM, r.ignore_index],
                                FORWARD, mod, flops=b - a), fwd))
@@ -263,10 +277,11 @@ def chunk_loss(program: Program, chunks: int) -> Program:
     else:
         loss, gs = total, r.grad_in
 
-    def grad_logits(i: int, c: str, to: list) -> str:
-        """Chunk i's logits gradient, from its log-probabilities and the loss gradient."""
+    def grad_logits(i: int, c: str, to: list, lp: str | None = None) -> str:
+        """Chunk i's logits gradient, from its log-probabilities (`lp`, when
+        they are made again) and the loss gradient."""
         a, b = bounds[i]
-        lp, t, n_i = lps[i], ts[i], nlls[i][1]
+        lp, t, n_i = lp or lps[i], ts[i], nlls[i][1]
         if r.fused:
             return add(g.node(f"{c}.logits", "remat.nll_log_softmax_backward.default",
                               [Ref(gs), Ref(lp), Ref(t), None, _SUM, r.ignore_index, Ref(n_i), Ref(lp), 1,
@@ -278,7 +293,7 @@ def chunk_loss(program: Program, chunks: int) -> Program:
 
     dw = None
 
-    def weight_grad(i: int, gl: str, c: str, to: list) -> None:
+    def weight_grad(i: int, gl: str, c: str, to: list, name: str = "", module: str = mod) -> None:
         nonlocal dw
         a, b = bounds[i]
         glt = add(g.node(f"{c}.logits_t", "aten.t.default", [Ref(gl)], BACKWARD, mod), to)[0]
@@ -286,17 +301,17 @@ def chunk_loss(program: Program, chunks: int) -> Program:
             dw = add(g.node(f"d.{mod}.weight", "aten.mm.default", [Ref(glt), Ref(xs[i])], BACKWARD, mod,
                             flops=matmul_flops(r.vocab, b - a, d)), to)[0]
         else:
-            dw = add(g.node(f"d.{mod}.weight_acc", "aten.addmm_.default", [Ref(dw), Ref(glt), Ref(xs[i])],
-                            BACKWARD, mod, mutates=[dw], flops=matmul_flops(r.vocab, b - a, d)), to)[0]
+            dw = add(g.node(name or f"d.{mod}.weight_acc", "aten.addmm_.default", [Ref(dw), Ref(glt), Ref(xs[i])],
+                            BACKWARD, module, mutates=[dw], flops=matmul_flops(r.vocab, b - a, d)), to)[0]
 
-    tied_add = _tied_add(program, r, values)
     dxs, db = [], None
     for i, (a, b) in enumerate(bounds):
         c = f"d.{mod}.chunk{i}"
         gl = grad_logits(i, c, bwd)
         dxs.append(add(g.node(f"{c}.x", "aten.mm.default", [Ref(gl), Ref(r.weight)], BACKWARD, mod,
                               flops=matmul_flops(b - a, r.vocab, d)), bwd)[0])
-        weight_grad(i, gl, c, bwd)
+        if not late:
+            weight_grad(i, gl, c, bwd)
         if r.bias is not None:
             s_ = add(g.node(f"{c}.bias", "aten.sum.dim_IntList", [Ref(gl), Seq([0])], BACKWARD, mod), bwd)[0]
             db = s_ if db is None else add(g.node(f"d.{mod}.bias", "aten.add.Tensor", [Ref(db), Ref(s_)],
@@ -308,6 +323,8 @@ def chunk_loss(program: Program, chunks: int) -> Program:
     # as a view of the new gradient it stood for.
     replaced = []
     for name, kind in r.frontier.items():
+        if late and kind == "weight":
+            continue  # made at the tied sum, below
         old = values[name]
         src = g.values[new[kind]]
         if old.shape == src.shape and old.stride == src.stride:
@@ -328,14 +345,32 @@ def chunk_loss(program: Program, chunks: int) -> Program:
     # embedding's at the end of backward: three weight-sized tensors at once,
     # which sets the floor once the logits are chunked.  Adding the head's
     # into the embedding's in place (the same bits: addition commutes) leaves two.
-    swapped = {}
+    #
+    # `late`: the head's weight gradient is not made in the head's backward at
+    # all, where it would be held beside every block's backward until the
+    # embedding's arrives.  Where the sum was, each chunk's logits gradient is
+    # made again (logits, log_softmax, loss backward) and added into the
+    # embedding's gradient in place: a logits-chunk of work more per chunk
+    # for a weight-sized tensor less through backward.
+    swapped: dict[str, list[Node]] = {}
     if tied_add is not None:
         add_node, name, other = tied_add
         out = add_node.outputs[0]
         del g.values[out]
         g.taken.discard(out)
-        swapped[add_node.name] = g.node(out, "aten.add_.Tensor", [Ref(other), Ref(name)], BACKWARD,
-                                        add_node.module, mutates=[other], flops=add_node.flops)
+        if not late:
+            swapped[add_node.name] = [g.node(out, "aten.add_.Tensor", [Ref(other), Ref(name)], BACKWARD,
+                                             add_node.module, mutates=[other], flops=add_node.flops)]
+        else:
+            tail: list[Node] = []
+            dw = other
+            for i in range(chunks):
+                c = f"{mod}.late{i}"
+                lp = add(g.node(f"{c}.log_softmax", _LOG_SOFTMAX, [Ref(logits(i, c, BACKWARD, tail)), 1, False],
+                                BACKWARD, mod), tail)[0]
+                weight_grad(i, grad_logits(i, f"d.{c}", tail, lp), f"d.{c}", tail,
+                            name=out if i == chunks - 1 else "", module=add_node.module)
+            swapped[add_node.name] = tail
 
     # Splice: the region's nodes go; the new ones stand where the loss was
     # computed in forward and where its backward began, when every operand
@@ -348,10 +383,16 @@ def chunk_loss(program: Program, chunks: int) -> Program:
         if n.name == at[n.phase]:
             nodes += fwd if n.phase == FORWARD else bwd
         if n.name not in gone:
-            nodes.append(swapped.get(n.name) or _renamed(n, rename))
+            nodes += swapped.get(n.name) or [_renamed(n, rename)]
     nodes = _without_dead_views(nodes, {o.value for o in program.outputs})
     outputs = [msgspec.structs.replace(o, value=rename.get(o.value, o.value)) for o in program.outputs]
-    return g.program_of(nodes, outputs, f"{NAME}:{chunks}")
+    return g.program_of(nodes, outputs, f"{NAME}:{chunks}" + (":late" if late else ""))
+
+
+def tied(program: Program) -> bool:
+    """Whether the head's weight gradient is summed with another gradient of
+    the same weight (tied to the embedding).  Raises NotApplicable."""
+    return _tied_add(program, region(program), program.value_map()) is not None
 
 
 def _tied_add(program: Program, r: Region, values) -> tuple | None:
