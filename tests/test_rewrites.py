@@ -167,6 +167,65 @@ def test_an_unknown_or_inapplicable_rewrite_is_refused_by_name():
         apply(program, ["chunked_loss:4:late"])
 
 
+# ------------------------------------------------------------------ attention
+
+
+def test_chunked_attention_verifies_round_trips_and_runs_as_predicted(tiny):
+    from remat_ir.runtime.load import LoadedModel
+
+    _, inputs, program = tiny
+    plan = apply(program, ["chunked_loss:4:late", "chunked_attention:2"])
+    assert plan.header.rewrites == ["chunked_loss:4:late", "chunked_attention:2"]
+    assert verify(plan).ok, verify(plan)
+    text = format_program(plan)
+    assert format_program(parse_program(text)) == text
+    # Per block: two chunks of scores, made in forward and again in backward;
+    # one dropout draw over both (as eager's).
+    assert sum(n.op == "aten._softmax.default" for n in plan.nodes) == 2 * 2 * 2
+    assert sum(n.op == "remat.dropout_keep.default" and n.module.endswith("attn.attn_dropout")
+               for n in plan.nodes) == 2
+    optimized = fit(plan, 0.6, scope=SCOPE)  # recomputes chunks of the rewritten graph
+    assert optimized.header.rewrites == plan.header.rewrites and verify(optimized).ok
+    r = run_plan(optimized, LoadedModel(name="gpt2-tiny", module=build_builtin("gpt2-tiny")[0], inputs=inputs,
+                                        loss=None), steps=2, check=True)
+    assert r.grads_match and r.within_tolerance()  # dropout on: the draw replays eager's mask
+    assert abs(r.measured_peak - r.predicted.peak_bytes) <= 8
+
+
+@pytest.mark.parametrize("mutation, message", [
+    ("other rows of v", "dropout_scale of the chunk's rows [0, 4)"),  # the rows of v say which chunk it is
+    ("other rows of q", "must multiply rows [4, 8) of q"),
+    ("another chunk's draw", "dropout_scale of the chunk's rows"),
+    ("another chunk's probabilities", "softmax backward must read its own probabilities"),
+    ("gradient of q out of order", "must concatenate the chunks' in row order"),
+    ("count", "not 4"),
+])
+def test_the_verifier_rejects_a_chunked_attention_that_is_not_the_attention(tiny, mutation, message):
+    _, _, program = tiny
+    plan = _copy(apply(program, ["chunked_attention:2"]))
+    nodes = plan.node_map()
+    a = "transformer.h.1.attn"
+    if mutation == "other rows of v":
+        nodes[f"{a}.chunk1.v"].args = nodes[f"{a}.chunk1.v"].args[:2] + [0, 4]
+    elif mutation == "other rows of q":
+        nodes[f"{a}.chunk1.q"].args = nodes[f"{a}.chunk1.q"].args[:2] + [0, 4]
+    elif mutation == "another chunk's draw":
+        n = nodes[f"{a}.chunk1.dropout_scale"]
+        n.args = [Ref(f"{a}.chunk0.keep")] + n.args[1:]
+    elif mutation == "another chunk's probabilities":
+        n = nodes[f"d.{a}.chunk1.masked_fill"]
+        n.args = [n.args[0], Ref(f"{a}.chunk0._softmax")] + n.args[2:]
+    elif mutation == "gradient of q out of order":
+        n = nodes[f"d.{a}.bmm_3"]
+        n.args = [type(n.args[0])(n.args[0].items[::-1]), 0]
+    else:
+        plan.header.rewrites = ["chunked_attention:4"]
+    plan.header.fingerprint = fingerprint(plan)
+    errors = [m for _, m in check_rewrites(plan)]
+    assert any(message in m for m in errors), errors
+    assert not verify(plan).ok
+
+
 # ------------------------------------------------------------------ BatchNorm
 
 
@@ -265,9 +324,10 @@ def test_a_tied_gradient_summed_in_place_is_taken_by_autograd_as_predicted(late)
 
     module, inputs = _wide_head()
     program = remat_ir.compile(module, inputs)
-    plan = fit(program, "floor", scope=SCOPE)
-    (spec,) = plan.header.rewrites
-    assert spec.startswith("chunked_loss:") and spec.endswith(":late")  # the lowest floor
+    lowest = fit(program, "floor", scope=SCOPE)
+    (spec,) = lowest.header.rewrites  # chunked attention, last on the ladder, lowers this floor no further
+    assert spec.startswith("chunked_loss:") and spec.endswith(":late")  # the lowest floor's
+    plan = fit(apply(program, [spec]), "floor", scope=SCOPE)
     if not late:
         plain = fit(apply(program, [spec.removesuffix(":late")]), "floor", scope=SCOPE)
         assert verify(plan).report.activation_peak_bytes < verify(plain).report.activation_peak_bytes

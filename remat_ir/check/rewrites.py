@@ -24,6 +24,16 @@ for computed:
   and `g_i.T @ x_i` of every chunk is added once, in place, into one
   weight-shaped tensor whose final value is the weight's gradient output
   (the embedding's gradient of a tied weight).
+* ``chunked_attention:K``: each forward `cat` of K chunk matmuls `d_i @ v_i`
+  is an attention in K chunks: chunk i reads rows [a_i, b_i) of one q, one
+  k.T and one v (disjoint, covering every row once, in order); its scores
+  are `q_i @ kt_i` times one constant, masked with one mask where there is
+  one, softmaxed over the last dim, and multiplied by `dropout_scale` of
+  its rows of one random draw over every row, where there is dropout.  In
+  backward each chunk has exactly autograd's gradients of those ops (on its
+  own probabilities and scale, or the same ops on the same operands made
+  again, and on rows of one output gradient), and the
+  gradients of q, k.T and v each concatenate the chunks' in row order, once.
 * ``batchnorm_split``: every `batch_norm_update_stats` (the running-stat
   update) has a `native_batch_norm` on the same input, in training, with
   the same momentum, that reads no running statistics.
@@ -32,11 +42,11 @@ for computed:
 """
 from __future__ import annotations
 
-from remat_ir.ir.types import BACKWARD, FORWARD, GRAD, Program, Ref, Seq, node_inputs
+from remat_ir.ir.types import BACKWARD, FORWARD, GRAD, DType, Program, Ref, Seq, node_inputs
 
 __all__ = ["check_rewrites"]
 
-_KNOWN = ("batchnorm_split", "chunked_loss")
+_KNOWN = ("batchnorm_split", "chunked_loss", "chunked_attention")
 
 
 def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
@@ -50,12 +60,15 @@ def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
         if name == "chunked_loss" and k.isdigit() and int(k) >= 2 and late in ("", "late"):
             errors += [(("header", -1, line), f"rewrite {spec}: {m}") if loc is None else (loc, m)
                        for loc, m in _Chunks(program, int(k), bool(late)).check()]
+        elif name == "chunked_attention" and arg.isdigit() and int(arg) >= 2:
+            errors += [(("header", -1, line), f"rewrite {spec}: {m}") if loc is None else (loc, m)
+                       for loc, m in _Attention(program, int(arg)).check()]
         elif name == "batchnorm_split" and not arg:
             errors += _batchnorm(program)
         else:
             errors.append((("header", -1, line), f"unknown rewrite {spec!r}: remat-ir knows "
                                                  f"{', '.join(_KNOWN)} (chunked_loss:K or chunked_loss:K:late, "
-                                                 "K >= 2 chunks)"))
+                                                 "chunked_attention:K, K >= 2 chunks)"))
     return errors
 
 
@@ -386,3 +399,212 @@ def _batchnorm(program: Program) -> list:
             errors.append((_loc(n), f"rewrite batchnorm_split: {n.name} must update exactly its running "
                                     "statistics"))
     return errors
+
+
+class _Attention:
+    """``chunked_attention:K``: see the module's docstring."""
+
+    def __init__(self, program: Program, k: int):
+        self.p, self.k = program, k
+        self.values = program.value_map()
+        self.producer = program.producer_map()
+        self.readers: dict[str, list] = {}
+        for n in program.nodes:
+            for r in node_inputs(n):
+                self.readers.setdefault(r, []).append(n)
+        self.errors: list = []
+
+    def fail(self, message: str, node=None):
+        self.errors.append((None if node is None else _loc(node), message))
+        return None
+
+    def made(self, value, op: str, nargs: int | None = None):
+        """The node making `value` with `op` (and `nargs` arguments), else None."""
+        if not isinstance(value, Ref):
+            return None
+        n = self.producer.get(value.name)
+        if n is None or n.op != op or n.kwargs or (nargs is not None and len(n.args) != nargs):
+            return None
+        return n
+
+    def rows(self, value):
+        n = self.made(value, "aten.slice.Tensor", 4)
+        if n is None or n.args[1] != 0 or not isinstance(n.args[0], Ref):
+            return None
+        return n.args[0].name, n.args[2], n.args[3]
+
+    def transposed(self, value):
+        """The value `value` is the (1, 2) transpose of, else None."""
+        n = self.made(value, "aten.transpose.int", 3)
+        return n.args[0] if n is not None and n.args[1:] == [1, 2] else None
+
+    def same(self, a, b) -> bool:
+        """Whether `b` is the value `a`, or is made again from the same
+        operands by the same ops (none random: a second draw differs)."""
+        if a == b:
+            return True
+        if not isinstance(a, Ref) or not isinstance(b, Ref):
+            return False
+        pa, pb = self.producer.get(a.name), self.producer.get(b.name)
+        if (pa is None or pb is None or pa.random or pb.random or pa.mutates or pb.mutates or pa.op != pb.op
+                or pa.kwargs != pb.kwargs or len(pa.args) != len(pb.args)
+                or pa.outputs.index(a.name) != pb.outputs.index(b.name)):
+            return False
+        return all(self.same(x, y) if isinstance(x, Ref) else x == y for x, y in zip(pa.args, pb.args))
+
+    def reader(self, value: str, op: str, phase: str, where) -> list:
+        return [n for n in self.readers.get(value, []) if n.op == op and n.phase == phase and where(n)]
+
+    def check(self) -> list:
+        groups = []
+        for n in self.p.nodes:
+            if n.op != "aten.cat.default" or n.phase != FORWARD or not isinstance(n.args[0], Seq):
+                continue
+            parts = [self.made(r, "aten.bmm.default", 2) for r in n.args[0].items]
+            if parts and all(p is not None and self.rows(p.args[1]) for p in parts):
+                groups.append((n, parts))
+        if not groups:
+            return [(None, "no chunked attention (a forward cat of chunk matmuls with rows of one value)")]
+        for cat, parts in groups:
+            if len(parts) != self.k or (len(cat.args) > 1 and cat.args[1] != 0):
+                self.fail(f"{cat.name} concatenates {len(parts)} attention chunks on dim 0, not {self.k}", cat)
+                continue
+            chunks = [self.forward_chunk(p) for p in parts]
+            if any(c is None for c in chunks):
+                continue
+            first = chunks[0]
+            for c in chunks[1:]:
+                for key in ("q", "kt", "v", "scale", "mask", "fill", "p", "keep", "dtype"):
+                    if c[key] != first[key]:
+                        self.fail(f"{c['y'].name} reads another {key} than {first['y'].name}", c["y"])
+            edge, total = 0, self.values[first["v"]].shape[0]
+            for c in chunks:
+                if c["a"] != edge or c["b"] <= c["a"]:
+                    self.fail(f"{c['y'].name} covers rows [{c['a']}, {c['b']}); the chunks must cover rows "
+                              f"0..{total} each once, in order, and the next starts at {edge}", c["y"])
+                    break
+                edge = c["b"]
+            else:
+                if edge != total:
+                    self.fail(f"{cat.name}: the chunks cover rows 0..{edge} of {total}", cat)
+            if first["keep"] is not None:
+                keep = self.producer[first["keep"]]
+                if not keep.random or self.values[first["keep"]].shape[0] * self.values[first["keep"]].shape[1] \
+                        != total:
+                    self.fail(f"{keep.name}: the dropout must be one random draw over every row", keep)
+            if not self.errors:
+                self.check_backward(chunks)
+        return self.errors
+
+    def forward_chunk(self, y):
+        """The chunk whose output matmul is `y`, as a dict, or None (and an error)."""
+        bad = lambda what: self.fail(f"{y.name}: {what}", y)  # noqa: E731
+        v = self.rows(y.args[1])
+        d = y.args[0]
+        c = {"y": y, "v": v[0], "a": v[1], "b": v[2], "keep": None, "p": None, "sc": None, "d": d.name}
+        p = d
+        mul = self.made(d, "aten.mul.Tensor", 2)
+        if mul is not None:
+            sc = self.made(mul.args[1], "remat.dropout_scale.default", 3)
+            kr = self.rows(sc.args[0]) if sc is not None else None
+            view = self.made(Ref(kr[0]), "aten.view.default", 2) if kr else None
+            keep = self.made(view.args[0], "remat.dropout_keep.default", 2) if view else None
+            if keep is None or (kr[1], kr[2]) != (c["a"], c["b"]) or sc.args[1] != keep.args[1]:
+                return bad("the dropped probabilities must be the chunk's probabilities times dropout_scale of "
+                           f"the chunk's rows [{c['a']}, {c['b']}) of one dropout draw")
+            c.update(keep=keep.outputs[0], p=keep.args[1], sc=sc.outputs[0], dtype_sc=sc.args[2])
+            p = mul.args[0]
+        sm = self.made(p, "aten._softmax.default", 3)
+        if sm is None or sm.args[1] != -1 or sm.args[2] is not False:
+            return bad("the probabilities must be a softmax over the last dim")
+        c.update(prob=sm.outputs[0], dtype=self.values[sm.outputs[0]].dtype)
+        x = sm.args[0]
+        fill = self.made(x, "aten.masked_fill.Scalar", 3)
+        c.update(mask=None, fill=None)
+        if fill is not None:
+            if not isinstance(fill.args[1], Ref):
+                return bad("the mask must be a tensor")
+            c.update(mask=fill.args[1].name, fill=fill.args[2])
+            x = fill.args[0]
+        m = self.made(x, "aten.mul.Tensor", 2)
+        s = self.made(m.args[0], "aten.bmm.default", 2) if m is not None else None
+        if s is None or not isinstance(m.args[1], float):
+            return bad("the scores must be a matmul scaled by a constant")
+        q, kt = self.rows(s.args[0]), self.rows(s.args[1])
+        if q is None or kt is None or (q[1], q[2]) != (c["a"], c["b"]) or (kt[1], kt[2]) != (c["a"], c["b"]):
+            return bad(f"the scores must multiply rows [{c['a']}, {c['b']}) of q and of k.T, the rows of v it reads")
+        c.update(q=q[0], kt=kt[0], scale=m.args[1], qi=s.args[0], kti=s.args[1], vi=y.args[1])
+        return c
+
+    def check_backward(self, chunks) -> None:
+        B = BACKWARD
+        outs = {"q": [], "kt": [], "v": []}
+        dys = set()
+        for c in chunks:
+            y = c["y"]
+            dvs = [n for n in self.p.nodes if n.op == "aten.bmm.default" and n.phase == B and len(n.args) == 2
+                   and self.same(self.transposed(n.args[0]), Ref(c["d"]))]
+            if len(dvs) != 1 or self.rows(dvs[0].args[1]) is None:
+                self.fail(f"{y.name}: one gradient of v (the dropped probabilities' transpose times rows of the "
+                          "output's gradient) per chunk", y)
+                return
+            dy = self.rows(dvs[0].args[1])
+            dys.add(dy[0])
+            if (dy[1], dy[2]) != (c["a"], c["b"]):
+                self.fail(f"{dvs[0].name}: the output's gradient must be read at the chunk's rows", dvs[0])
+                return
+            das = [n for n in self.p.nodes if n.op == "aten.bmm.default" and n.phase == B and len(n.args) == 2
+                   and self.rows(n.args[0]) == dy and self.transposed(n.args[1]) == c["vi"]]
+            if len(das) != 1:
+                self.fail(f"{y.name}: one gradient of the dropped probabilities (the output's gradient times the "
+                          "chunk's v transposed) per chunk", y)
+                return
+            g = das[0].outputs[0]
+            if c["sc"] is not None:
+                ms = self.reader(g, "aten.mul.Tensor", B, lambda n: n.args[0] == Ref(g)
+                                 and self.same(n.args[1], Ref(c["sc"])))
+                if len(ms) != 1:
+                    self.fail(f"{das[0].name}: its dropout backward must multiply by the chunk's dropout_scale",
+                              das[0])
+                    return
+                g = ms[0].outputs[0]
+            sb = self.reader(g, "aten._softmax_backward_data.default", B,
+                             lambda n: n.args[0] == Ref(g) and self.same(n.args[1], Ref(c["prob"]))
+                             and n.args[2:] == [-1, DType(c["dtype"])])
+            if len(sb) != 1:
+                self.fail(f"{y.name}: the chunk's softmax backward must read its own probabilities", y)
+                return
+            g = sb[0].outputs[0]
+            if c["mask"] is not None:
+                fs = self.reader(g, "aten.masked_fill.Scalar", B,
+                                 lambda n: n.args[:2] == [Ref(g), Ref(c["mask"])] and n.args[2] == 0)
+                if len(fs) != 1:
+                    self.fail(f"{sb[0].name}: the masked scores' gradient must be zero where the mask is", sb[0])
+                    return
+                g = fs[0].outputs[0]
+            ss = self.reader(g, "aten.mul.Tensor", B, lambda n: n.args == [Ref(g), c["scale"]])
+            if len(ss) != 1:
+                self.fail(f"{y.name}: the scores' gradient must be scaled by the same constant", y)
+                return
+            ds = ss[0].outputs[0]
+            dq = self.reader(ds, "aten.bmm.default", B, lambda n: n.args[0] == Ref(ds)
+                             and self.transposed(n.args[1]) == c["kti"])
+            dkt = self.reader(ds, "aten.bmm.default", B, lambda n: n.args[1] == Ref(ds)
+                              and self.transposed(n.args[0]) == c["qi"])
+            if len(dq) != 1 or len(dkt) != 1:
+                self.fail(f"{ss[0].name}: the chunk's gradients of q and k.T must be its scores' gradient times "
+                          "its k.T and q, transposed", ss[0])
+                return
+            outs["q"].append(dq[0].outputs[0])
+            outs["kt"].append(dkt[0].outputs[0])
+            outs["v"].append(dvs[0].outputs[0])
+        if len(dys) != 1:
+            self.fail(f"{chunks[0]['y'].name}: the chunks read different output gradients", chunks[0]["y"])
+            return
+        for kind, parts in outs.items():
+            want = Seq([Ref(x) for x in parts])
+            cats = [n for n in self.p.nodes if n.op == "aten.cat.default" and n.phase == B and n.args[0] == want
+                    and (len(n.args) == 1 or n.args[1] == 0)]
+            if len(cats) != 1:
+                self.fail(f"{chunks[0]['y'].name}: the gradient of {kind} must concatenate the chunks' in row "
+                          "order, once", chunks[0]["y"])

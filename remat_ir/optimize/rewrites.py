@@ -10,6 +10,9 @@ below its floor.  Then the ladder, least change first:
                                         a head weight tied to the embedding:
                                         its head gradient made at the end of
                                         backward (more compute, a weight less held)
+    [... the last of those,] chunked_attention:K
+                                        K = 2, 4, 8: every softmax attention in K
+                                        chunks of its B*H matrices
 
 Whether a rung fits is decided by its floor when the rewritten graph is
 planned block by block (large graphs, where that search takes seconds),
@@ -28,7 +31,8 @@ from remat_ir.optimize.blocks import segments
 from remat_ir.optimize.family import Analysis
 from remat_ir.optimize.search import DEFAULT_TIME_LIMIT, Infeasible, OptimizeResult, Planner, optimize
 from remat_ir.rewrite import (
-    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_LOSS, apply, chunk_choices, describe, has_batchnorm, late_applies,
+    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, chunk_choices,
+    describe, has_batchnorm, late_applies,
 )
 
 
@@ -58,6 +62,9 @@ class RewritePlanner:
             steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in ks]
             if ks and late_applies(self.program):
                 steps += [base + (f"{CHUNKED_LOSS}:{k}:late",) for k in ks]
+        if not self.exact or BIT_EXACT[CHUNKED_ATTENTION]:
+            last = steps[-1] if steps else base
+            steps += [last + (f"{CHUNKED_ATTENTION}:{k}",) for k in attention_choices(self.program)]
         return steps
 
     def rewritten(self, specs: tuple) -> Program:
@@ -89,7 +96,9 @@ class RewritePlanner:
     def floor(self, time_limit: float = DEFAULT_TIME_LIMIT) -> int:
         """The smallest peak the optimizer reaches: the graph's own floor
         (kept as `own_floor`), or the last rung's (the most chunks) when that
-        is lower (`floor_specs` says which)."""
+        is lower (`floor_specs` says which).  A family of rungs that adds a
+        rewrite (the late tied gradient, chunked attention) but does not
+        lower the floor below the family before it is not used for it."""
         from remat_ir.optimize.search import floor
 
         steps = self.ladder()
@@ -99,11 +108,18 @@ class RewritePlanner:
         self.floor_specs = ()
         self._floor = self.own_floor = floor(self.program, self.scope, time_limit=time_limit,
                                              solver=self.solver, effort=self.effort, planner=own)
-        if steps:
-            last = floor(self.rewritten(steps[-1]), self.scope, time_limit=time_limit, solver=self.solver,
-                         effort=self.effort, planner=self.planner(steps[-1]))
-            if last < self._floor:
-                self._floor, self.floor_specs, self._floor_planner = last, steps[-1], self.planner(steps[-1])
+        ends = [i for i in range(len(steps)) if i + 1 == len(steps) or _family(steps[i + 1]) != _family(steps[i])]
+        best = None
+        for i in reversed(ends):  # the last family's floor, then the ones before it while they equal it
+            f = floor(self.rewritten(steps[i]), self.scope, time_limit=time_limit, solver=self.solver,
+                      effort=self.effort, planner=self.planner(steps[i]))
+            if best is not None and f > best[0]:
+                break
+            best = (f, i)
+            if steps[i] == (BATCHNORM_SPLIT,) or len(ends) == 1:
+                break
+        if best is not None and best[0] < self._floor:
+            self._floor, self.floor_specs, self._floor_planner = best[0], steps[best[1]], self.planner(steps[best[1]])
         return self._floor
 
     def _own_floor_planner(self, steps: list) -> Planner:
@@ -172,8 +188,7 @@ class RewritePlanner:
         # chunks takes longer to plan.  A family whose most chunks do not fit
         # is passed over with one test.
         def family_end(i: int) -> int:
-            late = steps[i][-1].endswith(":late")
-            while i + 1 < len(steps) and steps[i + 1][-1].endswith(":late") == late:
+            while i + 1 < len(steps) and _family(steps[i + 1]) == _family(steps[i]):
                 i += 1
             return i
 
@@ -195,6 +210,12 @@ class RewritePlanner:
             if _total(more) < _total(best):
                 best = more
         return best
+
+def _family(specs: tuple) -> tuple:
+    """The rewrites of a rung less their chunk counts: rungs of one family
+    differ only in how many chunks."""
+    return tuple(s.split(":")[0] + (":late" if s.endswith(":late") else "") for s in specs)
+
 
 def _total(r: OptimizeResult) -> float:
     return r.base_cost + r.extra_cost
