@@ -55,7 +55,10 @@ def test_rows(result):
         if r["status"] != "ok":
             assert r["status"].startswith("n/a"), r  # the optimizer may be unavailable, never a crash
             continue
-        assert r["grads"] == "bitwise", r
+        if "chunked_" in r["extra"]:  # the floor's rewrites sum in another order: within tolerance
+            assert r["grads"].startswith("within tolerance"), r
+        else:
+            assert r["grads"] == "bitwise", r
         assert matches(r["predicted_act"], r["act_peak"]), r
     c = rows["compile-0.5"]
     assert c["status"] == "ok" or c["status"].startswith(("n/a", "failed")), c

@@ -54,6 +54,9 @@ def test_compile_only_writes_plans(gpu_check, plans):
 
 
 def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
+    from remat_ir.rewrite import keeps_bits
+    from remat_ir.runtime.run import GRAD_RTOL
+
     out = tmp_path / "r.json"
     rc = gpu_check.main(["--device", "cpu", "--small", "--plans", str(plans), "--json", str(out),
                          "--budgets", "0.7,0.5,floor"])
@@ -74,7 +77,9 @@ def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
     for r in js["rows"]:
         if r["status"] == "ok" and r.get("predicted_total") is not None:
             assert abs(r["measured_total"] - r["predicted_total"]) <= 0.01 * r["predicted_total"] + 2**20, r
-            if r["key"] != "eager":
+            if r["key"] != "eager" and not keeps_bits(r["rewrites"]):  # a chunked loss sums in another order
+                assert r["grad_rel"] <= GRAD_RTOL, r
+            elif r["key"] != "eager":
                 assert r["grad_diff"] == 0.0, r
         else:
             assert r["status"] == "ok" or r["status"].startswith("n/a"), r

@@ -463,7 +463,8 @@ def report(args, methods: list[Method], info: dict, wall: float) -> tuple[str, b
                    within_tolerance=good, step_times=mm.times,
                    ratio_eager=statistics.median(mm.ratio_eager) if mm.ratio_eager else None,
                    ratio_ckpt=statistics.median(mm.ratio_ckpt) if mm.ratio_ckpt else None,
-                   grad_equal=mm.grad_equal, grad_diff=mm.grad_diff)
+                   grad_equal=mm.grad_equal, grad_diff=mm.grad_diff, grad_rel=mm.grad_rel,
+                   rewrites=list(mm.program.header.rewrites) if mm.program is not None else [])
         if mm.program is not None:
             row["comment"] = list(mm.program.header.comment)
         out["rows"].append(row)

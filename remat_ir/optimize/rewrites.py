@@ -96,9 +96,11 @@ class RewritePlanner:
     def floor(self, time_limit: float = DEFAULT_TIME_LIMIT) -> int:
         """The smallest peak the optimizer reaches: the graph's own floor
         (kept as `own_floor`), or the last rung's (the most chunks) when that
-        is lower (`floor_specs` says which).  A family of rungs that adds a
-        rewrite (the late tied gradient, chunked attention) but does not
-        lower the floor below the family before it is not used for it."""
+        is lower (`floor_specs` says which).  When the last family of rungs
+        (chunked attention, or the late tied gradient) does not lower the
+        floor below the family before it, that one's last rung is used: the
+        same floor with less recompute.  Only those two are compared (each
+        floor search of a rewritten graph takes seconds to a minute)."""
         from remat_ir.optimize.search import floor
 
         steps = self.ladder()
@@ -110,14 +112,13 @@ class RewritePlanner:
                                              solver=self.solver, effort=self.effort, planner=own)
         ends = [i for i in range(len(steps)) if i + 1 == len(steps) or _family(steps[i + 1]) != _family(steps[i])]
         best = None
-        for i in reversed(ends):  # the last family's floor, then the ones before it while they equal it
+        for i in reversed(ends[-2:]):  # the last family's floor, then the one before it
+            if steps[i] == (BATCHNORM_SPLIT,) and best is not None:
+                break
             f = floor(self.rewritten(steps[i]), self.scope, time_limit=time_limit, solver=self.solver,
                       effort=self.effort, planner=self.planner(steps[i]))
-            if best is not None and f > best[0]:
-                break
-            best = (f, i)
-            if steps[i] == (BATCHNORM_SPLIT,) or len(ends) == 1:
-                break
+            if best is None or f <= best[0]:
+                best = (f, i)
         if best is not None and best[0] < self._floor:
             self._floor, self.floor_specs, self._floor_planner = best[0], steps[best[1]], self.planner(steps[best[1]])
         return self._floor
