@@ -208,9 +208,7 @@ def _region(program: Program, s: Node, values, readers) -> Attention:
             continue
         ins = node_inputs(n)
         if not any(i in bvals for i in ins):
-            continue
-        if n.op in _PASS and ins[0] in ext_views:
-            continue  # a view of q, kt or v: stays (dead views are dropped)
+            continue  # (views of q, kt and v that only the region read are dropped as dead views)
         kind = ""
         if n.op == _BMM:
             a, b = ins[0], ins[-1]
