@@ -192,6 +192,23 @@ def test_chunked_attention_verifies_round_trips_and_runs_as_predicted(tiny):
     assert abs(r.measured_peak - r.predicted.peak_bytes) <= 8
 
 
+def test_chunked_attention_without_dropout_in_uneven_chunks():
+    from remat_ir.models import GPT, GPTConfig
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=16, dropout=0.0)).train()
+
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 128, (3, 16), generator=g), torch.randint(0, 128, (3, 16), generator=g))
+    plan = apply(remat_ir.compile(build(), inputs), ["chunked_attention:4"])  # 6 matrices: rows 0-1, 1-3, ...
+    assert verify(plan).ok, verify(plan)
+    assert not any(n.op == "remat.dropout_keep.default" for n in plan.nodes)
+    eager = _grads(build(), inputs)
+    chunked = _grads(build(), inputs, plan)
+    assert max(relative_difference(a, b) for a, b in zip(chunked[0][1], eager[0][1])) < GRAD_RTOL
+
+
 @pytest.mark.parametrize("mutation, message", [
     ("other rows of v", "dropout_scale of the chunk's rows [0, 4)"),  # the rows of v say which chunk it is
     ("other rows of q", "must multiply rows [4, 8) of q"),
