@@ -57,12 +57,14 @@ def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
     for spec in program.header.rewrites:
         name, _, arg = spec.partition(":")
         k, _, late = arg.partition(":")
+        region = None
         if name == "chunked_loss" and k.isdigit() and int(k) >= 2 and late in ("", "late"):
-            errors += [(("header", -1, line), f"rewrite {spec}: {m}") if loc is None else (loc, m)
-                       for loc, m in _Chunks(program, int(k), bool(late)).check()]
+            region = _Chunks(program, int(k), bool(late))
         elif name == "chunked_attention" and arg.isdigit() and int(arg) >= 2:
+            region = _Attention(program, int(arg))
+        if region is not None:  # an error not at a node is the header's
             errors += [(("header", -1, line), f"rewrite {spec}: {m}") if loc is None else (loc, m)
-                       for loc, m in _Attention(program, int(arg)).check()]
+                       for loc, m in region.check()]
         elif name == "batchnorm_split" and not arg:
             errors += _batchnorm(program)
         else:
@@ -76,33 +78,45 @@ def _loc(n) -> tuple:
     return ("nodes", -1, n.line)
 
 
-class _Chunks:
-    def __init__(self, program: Program, k: int, late: bool = False):
-        self.p = program
-        self.k = k
-        self.late = late
+class _Region:
+    """What every rewritten region's check reads of the plan, and its errors."""
+
+    def __init__(self, program: Program, k: int):
+        self.p, self.k = program, k
         self.values = program.value_map()
         self.producer = program.producer_map()
+        self.readers: dict[str, list] = {}
+        for n in program.nodes:
+            for r in node_inputs(n):
+                self.readers.setdefault(r, []).append(n)
         self.errors: list = []
-        self.count = None  # the mean's divisor: the sum of the chunks' target counts
 
     def fail(self, message: str, node=None):
         self.errors.append((None if node is None else _loc(node), message))
 
-    def made_by(self, value, op: str):
-        """The node making `value` when it calls `op`, else None."""
+    def made_by(self, value, op: str, nargs: int | None = None):
+        """The node making `value` when it calls `op` (with `nargs`
+        positional arguments and no keyword ones), else None."""
         if not isinstance(value, Ref):
             return None
         n = self.producer.get(value.name)
-        return n if n is not None and n.op == op else None
+        if n is None or n.op != op or n.kwargs or (nargs is not None and len(n.args) != nargs):
+            return None
+        return n
 
     def rows(self, value):
         """(source, a, b) when `value` is rows [a, b) of `source`."""
-        n = self.made_by(value, "aten.slice.Tensor")
-        if n is None or n.args[1] != 0 or len(n.args) != 4 or not isinstance(n.args[0], Ref):
+        n = self.made_by(value, "aten.slice.Tensor", 4)
+        if n is None or n.args[1] != 0 or not isinstance(n.args[0], Ref):
             return None
-        a, b = n.args[2], n.args[3]
-        return n.args[0].name, a, b
+        return n.args[0].name, n.args[2], n.args[3]
+
+
+class _Chunks(_Region):
+    def __init__(self, program: Program, k: int, late: bool = False):
+        super().__init__(program, k)
+        self.late = late
+        self.count = None  # the mean's divisor: the sum of the chunks' target counts
 
     def check(self) -> list:
         nlls = [n for n in self.p.nodes if n.op == "aten.nll_loss_forward.default" and n.phase == FORWARD]
@@ -193,10 +207,7 @@ class _Chunks:
     def check_loss(self, chunks):
         losses = sorted(c["node"].outputs[0] for c in chunks)
         counts = sorted(c["node"].outputs[1] if len(c["node"].outputs) > 1 else "" for c in chunks)
-        readers = {}
-        for n in self.p.nodes:
-            for r in node_inputs(n):
-                readers.setdefault(r, []).append(n)
+        readers = self.readers
         # The loss: the add tree over every chunk loss, maybe divided by the count tree.
         top = None
         for n in self.p.nodes:
@@ -401,41 +412,12 @@ def _batchnorm(program: Program) -> list:
     return errors
 
 
-class _Attention:
+class _Attention(_Region):
     """``chunked_attention:K``: see the module's docstring."""
-
-    def __init__(self, program: Program, k: int):
-        self.p, self.k = program, k
-        self.values = program.value_map()
-        self.producer = program.producer_map()
-        self.readers: dict[str, list] = {}
-        for n in program.nodes:
-            for r in node_inputs(n):
-                self.readers.setdefault(r, []).append(n)
-        self.errors: list = []
-
-    def fail(self, message: str, node=None):
-        self.errors.append((None if node is None else _loc(node), message))
-        return None
-
-    def made(self, value, op: str, nargs: int | None = None):
-        """The node making `value` with `op` (and `nargs` arguments), else None."""
-        if not isinstance(value, Ref):
-            return None
-        n = self.producer.get(value.name)
-        if n is None or n.op != op or n.kwargs or (nargs is not None and len(n.args) != nargs):
-            return None
-        return n
-
-    def rows(self, value):
-        n = self.made(value, "aten.slice.Tensor", 4)
-        if n is None or n.args[1] != 0 or not isinstance(n.args[0], Ref):
-            return None
-        return n.args[0].name, n.args[2], n.args[3]
 
     def transposed(self, value):
         """The value `value` is the (1, 2) transpose of, else None."""
-        n = self.made(value, "aten.transpose.int", 3)
+        n = self.made_by(value, "aten.transpose.int", 3)
         return n.args[0] if n is not None and n.args[1:] == [1, 2] else None
 
     def same(self, a, b) -> bool:
@@ -460,7 +442,7 @@ class _Attention:
         for n in self.p.nodes:
             if n.op != "aten.cat.default" or n.phase != FORWARD or not isinstance(n.args[0], Seq):
                 continue
-            parts = [self.made(r, "aten.bmm.default", 2) for r in n.args[0].items]
+            parts = [self.made_by(r, "aten.bmm.default", 2) for r in n.args[0].items]
             if parts and all(p is not None and self.rows(p.args[1]) for p in parts):
                 groups.append((n, parts))
         if not groups:
@@ -498,36 +480,37 @@ class _Attention:
 
     def forward_chunk(self, y):
         """The chunk whose output matmul is `y`, as a dict, or None (and an error)."""
-        bad = lambda what: self.fail(f"{y.name}: {what}", y)  # noqa: E731
+        def bad(what: str) -> None:
+            self.fail(f"{y.name}: {what}", y)
         v = self.rows(y.args[1])
         d = y.args[0]
         c = {"y": y, "v": v[0], "a": v[1], "b": v[2], "keep": None, "p": None, "sc": None, "d": d.name}
         p = d
-        mul = self.made(d, "aten.mul.Tensor", 2)
+        mul = self.made_by(d, "aten.mul.Tensor", 2)
         if mul is not None:
-            sc = self.made(mul.args[1], "remat.dropout_scale.default", 3)
+            sc = self.made_by(mul.args[1], "remat.dropout_scale.default", 3)
             kr = self.rows(sc.args[0]) if sc is not None else None
-            view = self.made(Ref(kr[0]), "aten.view.default", 2) if kr else None
-            keep = self.made(view.args[0], "remat.dropout_keep.default", 2) if view else None
+            view = self.made_by(Ref(kr[0]), "aten.view.default", 2) if kr else None
+            keep = self.made_by(view.args[0], "remat.dropout_keep.default", 2) if view else None
             if keep is None or (kr[1], kr[2]) != (c["a"], c["b"]) or sc.args[1] != keep.args[1]:
                 return bad("the dropped probabilities must be the chunk's probabilities times dropout_scale of "
                            f"the chunk's rows [{c['a']}, {c['b']}) of one dropout draw")
-            c.update(keep=keep.outputs[0], p=keep.args[1], sc=sc.outputs[0], dtype_sc=sc.args[2])
+            c.update(keep=keep.outputs[0], p=keep.args[1], sc=sc.outputs[0])
             p = mul.args[0]
-        sm = self.made(p, "aten._softmax.default", 3)
+        sm = self.made_by(p, "aten._softmax.default", 3)
         if sm is None or sm.args[1] != -1 or sm.args[2] is not False:
             return bad("the probabilities must be a softmax over the last dim")
         c.update(prob=sm.outputs[0], dtype=self.values[sm.outputs[0]].dtype)
         x = sm.args[0]
-        fill = self.made(x, "aten.masked_fill.Scalar", 3)
+        fill = self.made_by(x, "aten.masked_fill.Scalar", 3)
         c.update(mask=None, fill=None)
         if fill is not None:
             if not isinstance(fill.args[1], Ref):
                 return bad("the mask must be a tensor")
             c.update(mask=fill.args[1].name, fill=fill.args[2])
             x = fill.args[0]
-        m = self.made(x, "aten.mul.Tensor", 2)
-        s = self.made(m.args[0], "aten.bmm.default", 2) if m is not None else None
+        m = self.made_by(x, "aten.mul.Tensor", 2)
+        s = self.made_by(m.args[0], "aten.bmm.default", 2) if m is not None else None
         if s is None or not isinstance(m.args[1], float):
             return bad("the scores must be a matmul scaled by a constant")
         q, kt = self.rows(s.args[0]), self.rows(s.args[1])

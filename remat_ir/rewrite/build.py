@@ -10,12 +10,12 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from remat_ir.ir import VALUE, Node, Output, Program, Value
+from remat_ir.ir import VALUE, Node, Output, Program, Value, node_inputs
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.ops import resolve, torch_arg
 from remat_ir.ir.schedule import default_schedule
 
-__all__ = ["GraphEdit", "matmul_flops"]
+__all__ = ["GraphEdit", "matmul_flops", "without_dead_views"]
 
 
 class GraphEdit:
@@ -36,6 +36,13 @@ class GraphEdit:
         while name in self.taken:
             name, k = f"{base}_{k}", k + 1
         self.taken.add(name)
+        return name
+
+    def release(self, name: str) -> str:
+        """Free the name of a value the rewrite drops, for the node that
+        stands for it (readers outside the region keep reading that name)."""
+        del self.values[name]
+        self.taken.discard(name)
         return name
 
     def fake(self, name: str) -> torch.Tensor:
@@ -89,6 +96,19 @@ class GraphEdit:
         out.header.fingerprint = fingerprint(out)
         out.forward, out.backward = default_schedule(out)
         return out
+
+
+def without_dead_views(nodes: list[Node], kept: set, views, phase: str | None = None) -> list[Node]:
+    """`nodes` less the nodes calling one of `views` (in `phase`, when given)
+    that nothing reads any more, nor `kept` names: views only a removed
+    region read."""
+    while True:
+        read = {i for n in nodes for i in node_inputs(n)} | kept
+        dead = {n.name for n in nodes if n.op in views and (phase is None or n.phase == phase) and not n.mutates
+                and not any(o in read for o in n.outputs if o)}
+        if not dead:
+            return nodes
+        nodes = [n for n in nodes if n.name not in dead]
 
 
 def matmul_flops(m: int, k: int, n: int) -> float:

@@ -281,7 +281,7 @@ def chunk_choices(program: Program, most: int = 8) -> list[int]:
 def chunk_attention(program: Program, chunks: int) -> Program:
     """`program` with every chunkable attention split into `chunks` row
     chunks, and the unoptimized schedule for the new graph.  Raises NotApplicable."""
-    from remat_ir.rewrite.build import GraphEdit, matmul_flops
+    from remat_ir.rewrite.build import GraphEdit, matmul_flops, without_dead_views
 
     regs = regions(program)
     if not 2 <= chunks <= min(r.rows for r in regs):
@@ -296,12 +296,6 @@ def chunk_attention(program: Program, chunks: int) -> Program:
         to.append(node)
         return node.outputs[0]
 
-    def reuse(name: str) -> str:
-        """Free a dropped value's name for the node that stands for it."""
-        del g.values[name]
-        g.taken.discard(name)
-        return name
-
     for r in regs:
         mod = r.module
         bounds = [(i * r.rows // chunks, (i + 1) * r.rows // chunks) for i in range(chunks)]
@@ -314,7 +308,7 @@ def chunk_attention(program: Program, chunks: int) -> Program:
                               [Ref(r.q), Seq(list(r.shape4)), Seq([0, 0, 0, 0])], FORWARD, mod), fwd)
             # The whole draw, as eager's: random, so a recompute replays its RNG state.
             kmod = program.producer_map()[r.keep].module
-            node = g.node(reuse(r.keep), _KEEP, [Ref(draw), r.p], FORWARD, kmod, flops=float(r.rows * t * t2))
+            node = g.node(g.release(r.keep), _KEEP, [Ref(draw), r.p], FORWARD, kmod, flops=float(r.rows * t * t2))
             keep = add(msgspec.structs.replace(node, random=True), fwd)
             keep3 = add(g.node(f"{r.keep}_rows", "aten.view.default", [Ref(keep), Seq([r.rows, t, t2])], FORWARD,
                                kmod), fwd)
@@ -343,7 +337,7 @@ def chunk_attention(program: Program, chunks: int) -> Program:
             _, _, di = probs(i, c, FORWARD, fwd)
             ys.append(add(g.node(f"{c}.bmm_1", _BMM, [Ref(di), Ref(rows[i][2])], FORWARD, mod,
                                  flops=matmul_flops((b - a) * t, t2, hd)), fwd))
-        add(g.node(reuse(r.out), "aten.cat.default", [Seq([Ref(y) for y in ys]), 0], FORWARD, mod), fwd)
+        add(g.node(g.release(r.out), "aten.cat.default", [Seq([Ref(y) for y in ys]), 0], FORWARD, mod), fwd)
 
         # Backward makes each chunk's probabilities again, just before its
         # gradients (as FlashAttention does): forward's are then read only in
@@ -378,7 +372,7 @@ def chunk_attention(program: Program, chunks: int) -> Program:
                                           flops=matmul_flops(n * hd, t, t2)), bwd))
         # The gradients read outside keep their names (views of them name them as their storage).
         for name, kind in r.frontier.items():
-            cat = add(g.node(reuse(name), "aten.cat.default", [Seq([Ref(x) for x in grads[kind]]), 0], BACKWARD,
+            cat = add(g.node(g.release(name), "aten.cat.default", [Seq([Ref(x) for x in grads[kind]]), 0], BACKWARD,
                              mod), bwd)
             if g.values[cat].shape != values[name].shape or g.values[cat].stride != values[name].stride:
                 raise NotApplicable(f"the gradient {name} has a layout the rewrite cannot make")
@@ -397,17 +391,6 @@ def chunk_attention(program: Program, chunks: int) -> Program:
             nodes += instead[n.name]
         if n.name not in gone:
             nodes.append(n)
-    nodes = _without_dead_views(nodes, {o.value for o in program.outputs})
+    # (backward's transposes of q, k.T and v that only the removed backward read)
+    nodes = without_dead_views(nodes, {o.value for o in program.outputs}, _PASS, BACKWARD)
     return g.program_of(nodes, list(program.outputs), f"{NAME}:{chunks}")
-
-
-def _without_dead_views(nodes: list[Node], kept: set) -> list[Node]:
-    """`nodes` less the views nothing reads any more (backward's transposes of
-    q, k.T and v that only the removed backward read)."""
-    while True:
-        read = {i for n in nodes for i in node_inputs(n)} | kept
-        dead = {n.name for n in nodes if n.op in _PASS and n.phase == BACKWARD and not n.mutates
-                and not any(o in read for o in n.outputs if o)}
-        if not dead:
-            return nodes
-        nodes = [n for n in nodes if n.name not in dead]

@@ -218,7 +218,7 @@ def chunk_loss(program: Program, chunks: int, late: bool = False) -> Program:
     and the unoptimized schedule for the new graph.  With `late` (a head
     weight tied to the embedding), the head's weight gradient is made at the
     end of backward instead.  Raises NotApplicable."""
-    from remat_ir.rewrite.build import GraphEdit, matmul_flops
+    from remat_ir.rewrite.build import GraphEdit, matmul_flops, without_dead_views
 
     r = region(program)
     if not 2 <= chunks <= r.rows:
@@ -335,9 +335,7 @@ def chunk_loss(program: Program, chunks: int, late: bool = False) -> Program:
             op, args = "aten.view.default", [Ref(new[kind]), Seq(list(old.shape))]
         else:
             raise NotApplicable(f"the gradient {name} has a layout the rewrite cannot make")
-        del g.values[name]
-        g.taken.discard(name)
-        node = g.node(name, op, args, BACKWARD, mod)
+        node = g.node(g.release(name), op, args, BACKWARD, mod)
         replaced.append(node)
     bwd += replaced
 
@@ -355,9 +353,7 @@ def chunk_loss(program: Program, chunks: int, late: bool = False) -> Program:
     swapped: dict[str, list[Node]] = {}
     if tied_add is not None:
         add_node, name, other = tied_add
-        out = add_node.outputs[0]
-        del g.values[out]
-        g.taken.discard(out)
+        out = g.release(add_node.outputs[0])
         if not late:
             swapped[add_node.name] = [g.node(out, "aten.add_.Tensor", [Ref(other), Ref(name)], BACKWARD,
                                              add_node.module, mutates=[other], flops=add_node.flops)]
@@ -384,7 +380,7 @@ def chunk_loss(program: Program, chunks: int, late: bool = False) -> Program:
             nodes += fwd if n.phase == FORWARD else bwd
         if n.name not in gone:
             nodes += swapped.get(n.name) or [_renamed(n, rename)]
-    nodes = _without_dead_views(nodes, {o.value for o in program.outputs})
+    nodes = without_dead_views(nodes, {o.value for o in program.outputs}, _GRAD_VIEWS)
     outputs = [msgspec.structs.replace(o, value=rename.get(o.value, o.value)) for o in program.outputs]
     return g.program_of(nodes, outputs, f"{NAME}:{chunks}" + (":late" if late else ""))
 
@@ -418,18 +414,6 @@ def _tied_add(program: Program, r: Region, values) -> tuple | None:
                 and not any(e.name in node_inputs(m) for m in program.nodes if m is not n)):
             return n, name, e.name
     return None
-
-
-def _without_dead_views(nodes: list[Node], kept: set) -> list[Node]:
-    """`nodes` less the views nothing reads any more (a transpose of the
-    weight that only the removed backward read)."""
-    while True:
-        read = {i for n in nodes for i in node_inputs(n)} | kept
-        dead = {n.name for n in nodes if n.op in _GRAD_VIEWS and not n.mutates
-                and not any(o in read for o in n.outputs if o)}
-        if not dead:
-            return nodes
-        nodes = [n for n in nodes if n.name not in dead]
 
 
 def _renamed(n: Node, rename: dict) -> Node:
