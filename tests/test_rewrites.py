@@ -102,6 +102,15 @@ def test_the_plan_of_a_chunked_loss_fits_where_recomputation_alone_cannot():
     assert r.within_tolerance() and r.grads_match and not r.grads_bitwise
 
 
+def test_a_budget_below_every_rung_is_refused_with_the_lowest_floor():
+    module, inputs = _wide_head()
+    program = remat_ir.compile(module, inputs)
+    low = verify(fit(program, "floor", scope=SCOPE)).report.activation_peak_bytes
+    with pytest.raises(Infeasible) as e:
+        fit(program, low - 1, scope=SCOPE)
+    assert e.value.floor_bytes == low and "with rewrites" in str(e.value)
+
+
 def test_a_budget_the_graph_fits_gets_no_rewrite(tiny):
     _, _, program = tiny
     assert fit(program, 0.8, scope=SCOPE).header.rewrites == []

@@ -201,10 +201,13 @@ class RewritePlanner:
                 break
             lo = end + 1
         if lo == len(steps):
+            # Nothing fits: refuse with the lowest floor a rung reached (every
+            # family's last was tested; the last rung's need not be the lowest).
+            low = min(floors, key=lambda i: (floors[i], i))
             try:
-                return self._optimize(steps[-1], budget, time_limit, prove=True)
+                return self._optimize(steps[low], budget, time_limit, prove=True)
             except Infeasible as e:
-                raise _explained(e, steps[-1]) from None
+                raise _explained(e, steps[low]) from None
         best = plan(lo)
         if lo + 1 <= family_end(lo) and fits(lo + 1):
             more = plan(lo + 1)
