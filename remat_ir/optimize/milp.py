@@ -213,11 +213,7 @@ class KeepModel:
             ev.update(st.holds)
         self.events = sorted(ev)
         self._xcache: dict = {}
-        self.xvar: dict[tuple[int, int], int] = {}
-        for n in rec:
-            for p in ps[n]:
-                if p < dfirst[n]:
-                    self.xvar[(n, p)] = self._new()
+        self.xvar: dict[tuple[int, int], int] = {}  # made as rows name them (see `build`)
 
     # ------------------------------------------------------------ helpers
 
@@ -245,7 +241,19 @@ class KeepModel:
         p = pts[i]
         if p == self.dfirst[n]:
             return self.recompute(n)
-        return {self.xvar[(n, p)]: 1.0}
+        v = self.xvar.get((n, p))
+        if v is None:
+            v = self.xvar[(n, p)] = self._new()
+        return {v: 1.0}
+
+    def _point(self, n: int, stage: int):
+        """The stage of ps[n] whose X holds at `stage` (None: n cannot be
+        needed by then)."""
+        pts = self.ps.get(n)
+        if not pts:
+            return None
+        i = bisect.bisect_right(pts, stage) - 1
+        return pts[i] if i >= 0 else None
 
     def RC(self, n: int, e_idx: int) -> dict:
         """Recomputed exactly at event e (index into events; do not mutate)."""
@@ -306,22 +314,49 @@ class KeepModel:
         last_stage = events[-1] if events else -1
         rec, cons, ps, dfirst = self.rec, self.cons, self.ps, self.dfirst
 
-        # ---- X: the lazy rule, exactly
+        # ---- X: the lazy rule, exactly, at the stages the memory rows read.
+        # X[n] changes only at the stages of ps[n], and "recomputed by
+        # stage s" follows from the consumers' values at s alone, so the rule
+        # stated at a subset of stages is exact there.  With some memory rows
+        # only, that subset is their stages (and the stage before each, for
+        # "recomputed at this event"), plus the last (whether n is recomputed
+        # at all): a fraction of the variables and rows.
+        if active is None:
+            at = set(events)
+        else:
+            at = set()
+            for rid in active:
+                if rid[0] in ("b", "q") and rid[1] < E:
+                    at.add(events[rid[1]])
+                    if rid[1] > 0:
+                        at.add(events[rid[1] - 1])
+        at.add(last_stage)
+        at = sorted(at)
         for n in rec:
             pts = ps[n]
-            for p1, p2 in zip(pts, pts[1:]):
+            if not pts:
+                continue
+            used = sorted({self._point(n, s) for s in at} - {None})
+            for p1, p2 in zip(used, used[1:]):
                 self.row(lin((1.0, self.X(n, p1)), (-1.0, self.X(n, p2))))
-            if pts and dfirst[n] == NEVER:
+            if dfirst[n] == NEVER:
                 self.row(lin((1.0, self.X(n, pts[-1])), (-1.0, self.recompute(n))))
-            for p in pts:
-                if p >= dfirst[n]:
+            seen = set()
+            for s in at:
+                p = self._point(n, s)
+                if p is None or p >= dfirst[n]:
                     continue
-                up = lin((1.0, self.X(n, p)), *[(-1.0, self.X(w, p)) for w in cons[n]])
-                self.row(up)
+                if p not in seen:
+                    seen.add(p)
+                    self.row(lin((1.0, self.X(n, p)), *[(-1.0, self.X(w, p)) for w in cons[n]]))
+            pairs = set()
             for w in cons[n]:
-                for p in ps[w]:
-                    if p < dfirst[n]:
-                        self.row(lin((1.0, self.X(w, p)), (-1.0, self.keep(n)), (-1.0, self.X(n, p))))
+                for s in at:
+                    p, pw = self._point(n, s), self._point(w, s)
+                    if pw is None or p is None or p >= dfirst[n] or (w, pw, p) in pairs:
+                        continue
+                    pairs.add((w, pw, p))
+                    self.row(lin((1.0, self.X(w, pw)), (-1.0, self.keep(n)), (-1.0, self.X(n, p))))
 
         # ---- storages
         sts = [a.storages[k] for k in self.st_idx]
