@@ -58,6 +58,11 @@ FLAT_PROOF_NODES = 3000  # ... and of the later rounds, which look for the cheap
 # last fraction of a percent on chains of identical blocks (symmetric
 # decisions) can take a minute.
 FLAT_GAP = 5e-3
+# A least-peak search adds, per round, only the rows where its plan holds the
+# most: the first plan, solved against one row, breaks nearly all of them
+# (a 3-layer Llama: 124,000 rows at once, 31 s for the root LP alone), while
+# the peak is decided at a few.
+PEAK_ROWS_PER_ROUND = 16
 
 # A safety stop, not a tuning knob: the search's own limits are counts (see
 # `Settings`), and a run this limit cuts short says so.
@@ -390,9 +395,9 @@ class Planner:
         what = f"budget {human_bytes(budget)}" if budget is not None else "floor"
         # Each search starts from the start-of-backward row alone.  Rows one
         # budget needed are valid for every budget, but measured, starting
-        # from them is slower: the MILP's time grows with its rows (gpt2-tiny,
-        # the floor's 76 rows then a sweep's budgets: 16-32 s each, against
-        # 2-5 s from scratch).
+        # from them is slower: the MILP's time grows with its rows, and a
+        # larger budget's rows save no round (gpt2-tiny's sweep: 20 s from
+        # scratch, 24 s from the rows of the budget above).
         active: set | None = {("s",)}
         # The first round only needs a plan to learn rows from, not a proof:
         # it stops at a small node limit (with the start row alone it is a
@@ -402,6 +407,15 @@ class Planner:
         # the solve record).  Node limits, unlike time limits, stop every
         # machine at the same point.
         nodes = LAZY_ROUND_NODES
+        # Without a budget every round's plan is a plan, with an exact peak:
+        # a floor search that ends early (out of rounds or time) returns the
+        # least of them rather than nothing.
+        best: Plan | None = None
+
+        def done(plan: Plan | None) -> Plan | None:
+            if best is None or (plan is not None and (plan.peak, plan.cost) <= (best.peak, best.cost)):
+                return plan
+            return best
         for rnd in range(2 * LAZY_ROUNDS):
             m = KeepModel(a).build(active)
             c = m.compile(objective)
@@ -412,15 +426,19 @@ class Planner:
                                     rel_gap=FLAT_GAP)
             if kept is None:
                 if nodes == FLAT_PROOF_NODES or rec.status == "infeasible":
-                    return None
+                    return done(None)
                 nodes = FLAT_PROOF_NODES  # no plan within the round's node limit: search further
                 continue
             prof = profile(a, a.keep_of(kept), range(len(a.storages)))
+            if budget is None:
+                best = done(self.evaluate(kept))
             limit = float(budget) if budget is not None else float(c.B.value) + 0.5
             over = m.rows_over(prof, limit)
             if ("tail",) in over:
                 return None  # bytes no plan changes exceed the budget
             new = set() if active is None else set(over) - active
+            if budget is None:
+                new = _highest(new, over)
             if not new:
                 if over and active is not None:
                     active = None  # (never seen) a row the mapping missed: take every row
@@ -428,14 +446,14 @@ class Planner:
                 if rec.status == "optimal" or nodes == FLAT_PROOF_NODES:
                     if budget is None:
                         self.floor_proven = rec.status == "optimal" and not rec.gap
-                    return self.evaluate(kept)
+                    return done(self.evaluate(kept))
                 nodes = FLAT_PROOF_NODES  # fits every row: now search on for a cheaper one
                 continue
             active |= new
             nodes = FLAT_PROOF_NODES  # later rounds usually end the search: let them finish it
             if rnd + 1 >= LAZY_ROUNDS:
                 active = None
-        return None
+        return done(None)
 
     # ---- decomposed: segments and their options
 
@@ -508,7 +526,10 @@ class Planner:
                 break
             limit = float(c.B.value) + 0.5 if objective == "peak" else float(B)
             prof = profile(a, a.keep_of(others | set(kept)), canon.storages)
-            new = set(c.m.rows_over(prof, limit)) - cm["rows"]
+            over = c.m.rows_over(prof, limit)
+            new = set(over) - cm["rows"]
+            if objective == "peak":
+                new = _highest(new, over)
             if not new:
                 break
             cm["rows"] |= new
@@ -865,6 +886,11 @@ class Planner:
             self.floor_plan = min(cands, key=lambda p: (p.peak, p.cost))
             self.floor_mode = "decomposed" if self.decompose else "flat"
         return self.floor_plan
+
+
+def _highest(rows: set, over: dict) -> set:
+    """The PEAK_ROWS_PER_ROUND rows of `rows` that hold the most bytes."""
+    return set(sorted(rows, key=lambda r: (-over[r], r))[:PEAK_ROWS_PER_ROUND])
 
 
 def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
