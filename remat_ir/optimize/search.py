@@ -174,6 +174,9 @@ class Settings:
     window_nodes: int | None = None  # per refinement-window MILP (two adjacent segments)
     combine_nodes: int | None = None  # per combine MILP (non-chain graphs)
     option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
+    # Least-peak option MILPs (hard to prove) only set where the peak levels
+    # start; the floor solves them again to `option_gap`.
+    peak_gap: float = 3e-2
     kept_levels: int = 5  # option levels of bytes kept into backward ...
     kept_power: float = 1.5  # ... spaced by this power (denser near the least)
     peak_levels: int = 4  # option levels of a block's transient peak
@@ -190,7 +193,7 @@ class Settings:
 # tolerance and refines every pair of adjacent segments.
 EFFORTS = {
     "fast": Settings(option_nodes=500, window_nodes=3000, combine_nodes=3000),
-    "full": Settings(fit_per_class=9, all_windows=True),
+    "full": Settings(fit_per_class=9, all_windows=True, peak_gap=1e-3),
 }
 
 
@@ -499,7 +502,7 @@ class Planner:
                 return False
         return True
 
-    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None):
+    def _solve_class(self, canon: Segment, objective: str, label: str, *, B=None, R=None, gap=None):
         """One MILP on a class's canonical segment; returns (kept, B value).
 
         Like the flat search, it is solved with only the memory rows plans
@@ -521,7 +524,8 @@ class Planner:
                 c.B.value = float(B) if B is not None else 1e18
             c.Rcap.value = float(R) if R is not None else 1e18
             kept, _ = self._solve(c, f"{canon.name} {label} ({len(rows)} memory rows)",
-                                  nodes=self.settings.option_nodes, warm=True, rel_gap=self.settings.option_gap)
+                                  nodes=self.settings.option_nodes, warm=True,
+                                  rel_gap=self.settings.option_gap if gap is None else gap)
             if kept is None or not capped:
                 break
             limit = float(c.B.value) + 0.5 if objective == "peak" else float(B)
@@ -550,7 +554,8 @@ class Planner:
         def run(objective, label, B=None, R=None):
             if self.out_of_time():
                 return None, None
-            kept, bval = self._solve_class(canon, objective, label, B=B, R=R)
+            gap = st.peak_gap if objective == "peak" else None
+            kept, bval = self._solve_class(canon, objective, label, B=B, R=R, gap=gap)
             if kept is not None:
                 opts.append(frozenset(kept))
             return kept, bval
@@ -860,6 +865,13 @@ class Planner:
 
     def decomposed_floor(self) -> Plan | None:
         self.prepare_segments()
+        if self.settings.peak_gap > self.settings.option_gap:
+            for inst in self.classes.values():
+                canon = inst[0]
+                if canon.decisions and not self.out_of_time():
+                    kept, _ = self._solve_class(canon, "peak", "min peak (for the floor)")
+                    if kept is not None:
+                        self._evaluate_options(canon, inst, [frozenset(kept)])
         got = self.combine(None, "min peak")
         cands = []
         if got is not None:
