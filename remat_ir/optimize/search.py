@@ -324,7 +324,14 @@ class Planner:
         self.last_frontier = None  # (segments, frontier after each) of the last chain DP
         self.deadline = math.inf
         self.time_limited = False  # the safety time limit stopped some search
-        self.segs = None  # the decomposition, once prepared
+        # The decomposition, made by `prepare_segments` on first use.
+        self.segs: list[Segment] | None = None
+        self.fixed: dict[int, int] = {}  # decisions forced to keep (segment boundaries)
+        self.part: dict[int, tuple[int, int]] = {}  # segment -> its backward window of stages
+        self.first_window = 0  # the first backward stage of any segment's window
+        self.classes: dict[str, list[Segment]] = {}  # structural signature -> its segments
+        self.chain = False  # backward visits the segments in reverse: the combine is the chain DP
+        self.options: dict[int, list[Option]] = {}  # segment -> its Pareto options
 
     def say(self, msg: str) -> None:
         if self.log:
@@ -483,7 +490,7 @@ class Planner:
                  f"{len(fixed)} checkpoints forced, {len(self.all_dec)} decisions "
                  f"({time.perf_counter() - t0:.2f} s)")
         # Per class: Pareto options from the canonical instance.
-        self.options: dict[int, list[Option]] = {}
+        self.options = {}
         for inst in classes.values():
             canon = inst[0]
             opts = self._class_options(canon) if canon.decisions else [frozenset()]
