@@ -176,7 +176,7 @@ class Settings:
     option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
     # Least-peak option MILPs (hard to prove) only set where the peak levels
     # start; the floor solves them again to `option_gap`.
-    peak_gap: float = 3e-2
+    peak_gap: float = 1e-2
     kept_levels: int = 5  # option levels of bytes kept into backward ...
     kept_power: float = 1.5  # ... spaced by this power (denser near the least)
     peak_levels: int = 4  # option levels of a block's transient peak
