@@ -232,13 +232,9 @@ class KeepModel:
         return r
 
     def _X(self, n: int, stage: int) -> dict:
-        pts = self.ps.get(n)
-        if not pts:
+        p = self._point(n, stage)
+        if p is None:
             return {}
-        i = bisect.bisect_right(pts, stage) - 1
-        if i < 0:
-            return {}
-        p = pts[i]
         if p == self.dfirst[n]:
             return self.recompute(n)
         v = self.xvar.get((n, p))
@@ -332,31 +328,24 @@ class KeepModel:
                         at.add(events[rid[1] - 1])
         at.add(last_stage)
         at = sorted(at)
+        # Per node, the stage of ps[n] whose X holds at each stage of `at`.
+        point = {n: [self._point(n, s) for s in at] for n in rec}
         for n in rec:
             pts = ps[n]
             if not pts:
                 continue
-            used = sorted({self._point(n, s) for s in at} - {None})
+            used = sorted(set(point[n]) - {None})
             for p1, p2 in zip(used, used[1:]):
                 self.row(lin((1.0, self.X(n, p1)), (-1.0, self.X(n, p2))))
             if dfirst[n] == NEVER:
                 self.row(lin((1.0, self.X(n, pts[-1])), (-1.0, self.recompute(n))))
-            seen = set()
-            for s in at:
-                p = self._point(n, s)
-                if p is None or p >= dfirst[n]:
-                    continue
-                if p not in seen:
-                    seen.add(p)
+            for p in dict.fromkeys(point[n]):
+                if p is not None and p < dfirst[n]:
                     self.row(lin((1.0, self.X(n, p)), *[(-1.0, self.X(w, p)) for w in cons[n]]))
-            pairs = set()
             for w in cons[n]:
-                for s in at:
-                    p, pw = self._point(n, s), self._point(w, s)
-                    if pw is None or p is None or p >= dfirst[n] or (w, pw, p) in pairs:
-                        continue
-                    pairs.add((w, pw, p))
-                    self.row(lin((1.0, self.X(w, pw)), (-1.0, self.keep(n)), (-1.0, self.X(n, p))))
+                for pw, p in dict.fromkeys(zip(point[w], point[n])):
+                    if pw is not None and p is not None and p < dfirst[n]:
+                        self.row(lin((1.0, self.X(w, pw)), (-1.0, self.keep(n)), (-1.0, self.X(n, p))))
 
         # ---- storages
         sts = [a.storages[k] for k in self.st_idx]

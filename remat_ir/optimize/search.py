@@ -490,7 +490,6 @@ class Planner:
                  f"{len(fixed)} checkpoints forced, {len(self.all_dec)} decisions "
                  f"({time.perf_counter() - t0:.2f} s)")
         # Per class: Pareto options from the canonical instance.
-        self.options = {}
         for inst in classes.values():
             canon = inst[0]
             opts = self._class_options(canon) if canon.decisions else [frozenset()]
