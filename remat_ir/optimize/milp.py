@@ -275,12 +275,20 @@ class KeepModel:
             return
         self.rows.append((e, kind))
 
-    def ge_max(self, terms: list[dict]) -> dict:
-        """A variable >= every term (an OR of 0/1 expressions when minimized)."""
+    @staticmethod
+    def any_of(terms: list[dict]) -> list[dict]:
+        """An OR of 0/1 expressions, as the list of its terms: [] is false,
+        [{CONST: 1}] is true.  An OR stays a list until a liveness variable
+        takes it (`live`), which then bounds itself by each term: the same
+        LP as an OR variable of its own, with one variable and one row fewer."""
         terms = [t for t in terms if t]
         if any(set(t) <= {CONST} and t.get(CONST, 0.0) >= 1.0 for t in terms):
-            return {CONST: 1.0}
-        terms = [t for t in terms if not (set(t) <= {CONST})]
+            return [{CONST: 1.0}]
+        return [t for t in terms if not (set(t) <= {CONST})]
+
+    def ge_max(self, terms: list[dict]) -> dict:
+        """A variable >= every term (an OR of 0/1 expressions when minimized)."""
+        terms = self.any_of(terms)
         if not terms:
             return {}
         if len(terms) == 1:
@@ -358,48 +366,49 @@ class KeepModel:
                     m = max(m, ps[w][-1])
             maxneed.append(m)
         # Yb: needed at the backward node of event e or later.
-        ycache: dict[tuple[int, int], dict] = {}
+        ycache: dict[tuple[int, int], list] = {}
 
-        def Yb(k: int, e: int) -> dict:
+        def Yb(k: int, e: int) -> list[dict]:
             key = (k, e)
             if key in ycache:
                 return ycache[key]
             st, stage = sts[k], events[e]
             if stage <= st.last_static:
-                r = {CONST: 1.0}
+                r = [{CONST: 1.0}]
             else:
                 terms = []
                 for w in dyn[k]:
                     if ps[w] and ps[w][-1] > stage:
                         terms.append(lin((1.0, self.X(w, last_stage)), (-1.0, self.X(w, stage))))
-                r = self.ge_max(terms)
+                r = self.any_of(terms)
             ycache[key] = r
             return r
 
-        def live(k: int, z: dict, stage: int) -> dict:
+        def live(k: int, z: list[dict], stage: int) -> dict:
             """Storage k is live at a point after `stage`'s recomputes given it
-            is needed there or later (z).  Not made yet means its owner is
-            recomputed later, so L >= z - (X[u,E] - X[u,stage]): exact at
-            integral points and much tighter in the LP relaxation than
-            L >= made + z - 1."""
+            is needed there or later (z, an OR: `any_of`).  Not made yet means
+            its owner is recomputed later, so L >= z - (X[u,E] - X[u,stage]):
+            exact at integral points and much tighter in the LP relaxation
+            than L >= made + z - 1."""
             if not z:
                 return {}
             u = sts[k].owner
-            e = lin((1.0, z), (1.0, self.X(u, stage)), (-1.0, self.X(u, last_stage)))
-            if set(z) <= {CONST}:
-                return e
+            later = lin((1.0, self.X(u, last_stage)), (-1.0, self.X(u, stage)))  # recomputed after `stage`
+            if z == [{CONST: 1.0}]:
+                return lin((1.0, {CONST: 1.0}), (-1.0, later))
             v = self._new()
-            self.row(lin((1.0, e), (-1.0, {v: 1.0})))
+            for t in z:
+                self.row(lin((1.0, t), (-1.0, later), (-1.0, {v: 1.0})))
             return {v: 1.0}
 
         # Retained into backward.
         R = []
         for k, st in enumerate(sts):
             if st.reads or st.holds:
-                ya = {CONST: 1.0}
+                ya = [{CONST: 1.0}]
             else:
-                ya = self.ge_max([self.X(w, last_stage) for w in dyn[k]])
-            R.append(live(k, ya, -1) if ya else {})
+                ya = self.any_of([self.X(w, last_stage) for w in dyn[k]])
+            R.append(live(k, ya, -1))
         self.R = R
 
         # Slots per event: units owning a storage in scope, recomputable then.
@@ -444,23 +453,22 @@ class KeepModel:
                     continue
                 # Z_i: needed at slot i or later.  Every row: chained from the
                 # back.  Some rows: each Z_i on its own, an OR of the same terms.
-                z_next = Yb(k, e) if stage <= maxneed[k] else {}
-                zs = [None] * len(chain)
+                z_next = Yb(k, e) if stage <= maxneed[k] else []
+                zs: list = [[]] * len(chain)
                 if active is None:
                     for i in range(len(chain) - 1, -1, -1):
                         lo = -1 if chain[i] is None else chain[i]
                         hi = chain[i + 1] if i + 1 < len(chain) else nf
-                        terms = [z_next] + [self.RC(w, e) for w in dyn[k] if lo <= w < hi]
-                        z_next = self.ge_max(terms)
-                        zs[i] = z_next
+                        z = self.ge_max(z_next + [self.RC(w, e) for w in dyn[k] if lo <= w < hi])
+                        z_next = zs[i] = [z] if z else []
                 else:
                     for i in rows_wanted:
                         lo = -1 if chain[i] is None else chain[i]
-                        zs[i] = self.ge_max([z_next] + [self.RC(w, e) for w in dyn[k] if lo <= w])
+                        zs[i] = self.any_of(z_next + [self.RC(w, e) for w in dyn[k] if lo <= w])
                 for i in rows_wanted:
                     q = chain[i]
                     point = stage if (q is not None and st.owner <= q) else prev
-                    lv = live(k, zs[i], point) if zs[i] else {}
+                    lv = live(k, zs[i], point)
                     if q is not None and st.owner == q:
                         rc = self.RC(q, e)
                         if rc:
@@ -716,12 +724,14 @@ def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6, nodes:
     deterministic: a time limit stops it wherever the machine's load left it."""
     solver = solver.upper()
     if solver == "HIGHS":
-        # Cuts are separated at the root only: at the nodes they cost more
-        # LP time than they save here (tools/optimize_times.py, 8 flat
-        # budgets of gpt2-tiny, transformers GPT-2 and Llama: 29 s -> 25 s,
-        # the same plans).
+        # Cuts are separated at the root only, and the RINS and RENS sub-MIP
+        # heuristics are off: on these models the root's own heuristics find
+        # the final plan, and the sub-MIPs and node cuts cost more time
+        # than they save (8 flat budgets of gpt2-tiny, transformers GPT-2
+        # and Llama: 29 s -> 25 s -> 22 s, the same extra compute).
         opts = {"time_limit": float(time_limit), "mip_rel_gap": rel_gap, "mip_abs_gap": 1e-9,
-                "mip_allow_cut_separation_at_nodes": False}
+                "mip_allow_cut_separation_at_nodes": False,
+                "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False}
         if nodes is not None:
             opts["mip_max_nodes"] = int(nodes)
         return opts
