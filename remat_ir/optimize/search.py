@@ -63,6 +63,13 @@ FLAT_GAP = 5e-3
 # (a 3-layer Llama: 124,000 rows at once, 31 s for the root LP alone), while
 # the peak is decided at a few.
 PEAK_ROWS_PER_ROUND = 16
+# A budget search adds fewer.  Its time is the last round's branch and
+# bound, which grows with the rows, and few rows bind at a budget: a round
+# or two more of small MILPs cost less than one proof over every row the
+# first plan broke (README, "How the flat MILP is kept small").  A least-peak
+# search is the other way round: with few rows a round, each plan moves its
+# peak to rows not yet seen.
+BUDGET_ROWS_PER_ROUND = 4
 
 # A safety stop, not a tuning knob: the search's own limits are counts (see
 # `Settings`), and a run this limit cuts short says so.
@@ -398,7 +405,8 @@ class Planner:
         budget (without a budget, more than the peak the MILP claimed), and
         solve again.  Each round's optimum bounds the true one from below,
         so the first plan that breaks no row is optimal.  Most rows never
-        bind: gpt2-tiny converges in two rounds with 13-20 of its ~8,000.
+        bind: gpt2-tiny's budgets end with a few to a few dozen of its
+        ~8,000.
         Returns None when no plan fits (the budget is below the floor)."""
         a = self.a
         objective = "cost" if budget is not None else "peak"
@@ -447,8 +455,7 @@ class Planner:
             if ("tail",) in over:
                 return None  # bytes no plan changes exceed the budget
             new = set() if active is None else set(over) - active
-            if budget is None:
-                new = _highest(new, over)
+            new = _highest(new, over, PEAK_ROWS_PER_ROUND if budget is None else BUDGET_ROWS_PER_ROUND)
             if not new:
                 if over and active is not None:
                     active = None  # (never seen) a row the mapping missed: take every row
@@ -906,9 +913,9 @@ class Planner:
         return self.floor_plan
 
 
-def _highest(rows: set, over: dict) -> set:
-    """The PEAK_ROWS_PER_ROUND rows of `rows` that hold the most bytes."""
-    return set(sorted(rows, key=lambda r: (-over[r], r))[:PEAK_ROWS_PER_ROUND])
+def _highest(rows: set, over: dict, n: int = PEAK_ROWS_PER_ROUND) -> set:
+    """The `n` rows of `rows` that hold the most bytes."""
+    return set(sorted(rows, key=lambda r: (-over[r], r))[:n])
 
 
 def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
