@@ -58,18 +58,19 @@ FLAT_PROOF_NODES = 3000  # ... and of the later rounds, which look for the cheap
 # last fraction of a percent on chains of identical blocks (symmetric
 # decisions) can take a minute.
 FLAT_GAP = 5e-3
-# A least-peak search adds, per round, only the rows where its plan holds the
-# most: the first plan, solved against one row, breaks nearly all of them
-# (a 3-layer Llama: 124,000 rows at once, 31 s for the root LP alone), while
-# the peak is decided at a few.
-PEAK_ROWS_PER_ROUND = 16
-# A budget search adds fewer.  Its time is the last round's branch and
-# bound, which grows with the rows, and few rows bind at a budget: a round
-# or two more of small MILPs cost less than one proof over every row the
-# first plan broke (README, "How the flat MILP is kept small").  A least-peak
-# search is the other way round: with few rows a round, each plan moves its
-# peak to rows not yet seen.
-BUDGET_ROWS_PER_ROUND = 4
+# Each round of a lazy search adds only the rows where its plan holds the
+# most, not every row the plan breaks (README, "How the flat MILP is kept
+# small").  A least-peak search's first plan, solved against one row, breaks
+# nearly all of them (a 3-layer Llama: 124,000 rows at once, 31 s for the
+# root LP alone) while the peak is decided at a few; its time is the root's
+# search for a plan at the LP bound, and with too few rows a round each plan
+# moves its peak to rows not yet seen.  A budget search's time is the last
+# round's branch and bound, which grows with the rows, and few rows bind at
+# a budget: a round or two more of small MILPs cost less than one proof over
+# every row the first plan broke.
+PEAK_ROWS_PER_ROUND = 16  # a block's least-peak option MILPs
+FLOOR_ROWS_PER_ROUND = 32  # the flat floor search
+BUDGET_ROWS_PER_ROUND = 4  # the flat search at a budget
 
 # A safety stop, not a tuning knob: the search's own limits are counts (see
 # `Settings`), and a run this limit cuts short says so.
@@ -455,7 +456,7 @@ class Planner:
             if ("tail",) in over:
                 return None  # bytes no plan changes exceed the budget
             new = set() if active is None else set(over) - active
-            new = _highest(new, over, PEAK_ROWS_PER_ROUND if budget is None else BUDGET_ROWS_PER_ROUND)
+            new = _highest(new, over, FLOOR_ROWS_PER_ROUND if budget is None else BUDGET_ROWS_PER_ROUND)
             if not new:
                 if over and active is not None:
                     active = None  # (never seen) a row the mapping missed: take every row
