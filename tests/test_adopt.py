@@ -99,7 +99,9 @@ def test_budget_wrap_trains_a_causal_lm_as_eager_and_caches_its_plans(tmp_path, 
     assert r.returncode == 0, r.stderr
     second = json.loads(r.stdout.strip().splitlines()[-1])
     assert second["optimizer_imported"] is False, second
-    assert "planning" not in r.stderr
+    # On a loaded machine the trace alone can outlast the progress message's
+    # delay; the message then names the cached plan.
+    assert "planning" not in r.stderr or "(the plan cached in" in r.stderr, r.stderr
     assert len(list(tmp_path.glob("*.rir"))) == 2
 
 

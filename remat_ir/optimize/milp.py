@@ -36,8 +36,8 @@ its optimum equals the optimum over all plans built and simulated one by one
 Most memory rows never bind, and each row brings its own liveness
 variables: `build(active=...)` builds only the rows named, and `rows_over`
 names the rows an exactly profiled plan breaks, so `search.py` solves with
-the rows it needs (a whole 2-layer GPT: 64 binaries, 13-20 of ~8,000 memory
-rows, seconds instead of minutes for the whole model).
+the rows it needs (a whole 2-layer GPT: 64 binaries, a few to a few dozen
+of ~8,000 memory rows, seconds instead of minutes for the whole model).
 
 Built as one sparse matrix (scipy) handed to cvxpy in a single vectorized
 constraint, so canonicalization stays fast.

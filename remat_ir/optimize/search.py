@@ -59,14 +59,14 @@ FLAT_PROOF_NODES = 3000  # ... and of the later rounds, which look for the cheap
 # decisions) can take a minute.
 FLAT_GAP = 5e-3
 # Each round of a lazy search adds only the rows where its plan holds the
-# most, not every row the plan breaks (README, "How the flat MILP is kept
-# small").  A least-peak search's first plan, solved against one row, breaks
-# nearly all of them (a 3-layer Llama: 124,000 rows at once, 31 s for the
-# root LP alone) while the peak is decided at a few; its time is the root's
-# search for a plan at the LP bound, and with too few rows a round each plan
-# moves its peak to rows not yet seen.  A budget search's time is the last
-# round's branch and bound, which grows with the rows, and few rows bind at
-# a budget: a round or two more of small MILPs cost less than one proof over
+# most, not every row the plan breaks (README, "The optimizer").  A
+# least-peak search's first plan, solved against one row, breaks nearly all
+# of them (a 3-layer Llama: 124,000 rows at once, 31 s for the root LP
+# alone) while the peak is decided at a few; its time is the root's search
+# for a plan at the LP bound, and with too few rows a round each plan moves
+# its peak to rows not yet seen.  A budget search's time is the last round's
+# branch and bound, which grows with the rows, and few rows bind at a
+# budget: a round or two more of small MILPs cost less than one proof over
 # every row the first plan broke.
 PEAK_ROWS_PER_ROUND = 16  # a block's least-peak option MILPs
 FLOOR_ROWS_PER_ROUND = 32  # the flat floor search
