@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -779,9 +780,11 @@ def mip_gap(problem, solver: str):
 MILP_SOLVERS = ("HIGHS", "SCIP", "CBC", "GLPK_MI", "SCIPY")
 
 
-def installed_solvers() -> list[str]:
-    """The MILP backends cvxpy can use here."""
-    return [s for s in MILP_SOLVERS if s in cp.installed_solvers()]
+@functools.cache
+def installed_solvers() -> tuple[str, ...]:
+    """The MILP backends cvxpy can use here (asked once: cvxpy's own check
+    imports each backend, tens of milliseconds a call)."""
+    return tuple(s for s in MILP_SOLVERS if s in cp.installed_solvers())
 
 
 def pick_options(A: np.ndarray, const: np.ndarray, cost: np.ndarray, groups: list[list[int]],
