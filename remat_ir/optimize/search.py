@@ -70,7 +70,8 @@ FLAT_GAP = 5e-3
 # every row the first plan broke.
 PEAK_ROWS_PER_ROUND = 16  # a block's least-peak option MILPs
 FLOOR_ROWS_PER_ROUND = 32  # the flat floor search
-BUDGET_ROWS_PER_ROUND = 4  # the flat search at a budget
+BUDGET_ROWS_PER_ROUND = 4  # the flat search at a budget, ...
+ROWS_APART = 2  # ... events apart where it can (`_highest_apart`)
 
 # A safety stop, not a tuning knob: the search's own limits are counts (see
 # `Settings`), and a run this limit cuts short says so.
@@ -456,7 +457,8 @@ class Planner:
             if ("tail",) in over:
                 return None  # bytes no plan changes exceed the budget
             new = set() if active is None else set(over) - active
-            new = _highest(new, over, FLOOR_ROWS_PER_ROUND if budget is None else BUDGET_ROWS_PER_ROUND)
+            new = (_highest(new, over, FLOOR_ROWS_PER_ROUND) if budget is None
+                   else _highest_apart(new, over, BUDGET_ROWS_PER_ROUND))
             if not new:
                 if over and active is not None:
                     active = None  # (never seen) a row the mapping missed: take every row
@@ -917,6 +919,30 @@ class Planner:
 def _highest(rows: set, over: dict, n: int = PEAK_ROWS_PER_ROUND) -> set:
     """The `n` rows of `rows` that hold the most bytes."""
     return set(sorted(rows, key=lambda r: (-over[r], r))[:n])
+
+
+def _highest_apart(rows: set, over: dict, n: int, width: int = ROWS_APART) -> set:
+    """The `n` rows of `rows` that hold the most bytes, taken greedily at
+    least `width` + 1 events apart (forward rows by forward position), then
+    the highest of the rest if that leaves fewer than `n`.  The rows that
+    hold the most are often neighbours on one peak (after a backward node and
+    in the gap before the next event the same tensors are live), and a row
+    that binds there binds its neighbours; a row on another peak is what the
+    next round would have found."""
+    ranked = sorted(rows, key=lambda r: (-over[r], r))
+
+    def place(r):
+        return r[0] == "f", (r[1] if len(r) > 1 else -1)
+
+    picked: list = []
+    for r in ranked:
+        if len(picked) == n:
+            break
+        f, x = place(r)
+        if all(f != f2 or abs(x - x2) > width for f2, x2 in map(place, picked)):
+            picked.append(r)
+    picked += [r for r in ranked if r not in picked][:n - len(picked)]
+    return set(picked)
 
 
 def _infeasible(pl: Planner, budget: int, floor_plan: Plan) -> Infeasible:
