@@ -926,9 +926,9 @@ def _highest_apart(rows: set, over: dict, n: int, width: int = ROWS_APART) -> se
     least `width` + 1 events apart (forward rows by forward position), then
     the highest of the rest if that leaves fewer than `n`.  The rows that
     hold the most are often neighbours on one peak (after a backward node and
-    in the gap before the next event the same tensors are live), and a row
-    that binds there binds its neighbours; a row on another peak is what the
-    next round would have found."""
+    in the gap before the next event the same tensors are live), a plan that
+    fits one of them nearly fits the rest, and a row on another peak is what
+    the next round would have found."""
     ranked = sorted(rows, key=lambda r: (-over[r], r))
 
     def place(r):
