@@ -571,8 +571,8 @@ def test_time_limit_without_a_solution_is_not_a_plan(decompose):
 def test_a_budget_round_takes_its_rows_apart_then_the_highest_of_the_rest():
     over = {("b", 10): 900, ("q", 11, 0): 899, ("b", 11): 898, ("q", 12, 3): 897,  # one peak
             ("b", 20): 800, ("f", 5): 700, ("f", 6): 699, ("b", 30): 600}
-    assert _highest_apart(set(over), over, 4) == {("b", 10), ("b", 20), ("f", 5), ("b", 30)}
+    assert _highest_apart(set(over), over, 4, 2) == {("b", 10), ("b", 20), ("f", 5), ("b", 30)}
     # Fewer places than rows: the highest of the rest fill the round.
     few = {k: over[k] for k in (("b", 10), ("q", 11, 0), ("b", 11), ("q", 12, 3))}
-    assert _highest_apart(set(few), few, 3) == {("b", 10), ("q", 11, 0), ("b", 11)}
-    assert _highest_apart(set(over), over, 0) == set()
+    assert _highest_apart(set(few), few, 3, 2) == {("b", 10), ("q", 11, 0), ("b", 11)}
+    assert _highest_apart(set(over), over, 0, 2) == set()

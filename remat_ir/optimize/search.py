@@ -458,7 +458,7 @@ class Planner:
                 return None  # bytes no plan changes exceed the budget
             new = set() if active is None else set(over) - active
             new = (_highest(new, over, FLOOR_ROWS_PER_ROUND) if budget is None
-                   else _highest_apart(new, over, BUDGET_ROWS_PER_ROUND))
+                   else _highest_apart(new, over, BUDGET_ROWS_PER_ROUND, ROWS_APART))
             if not new:
                 if over and active is not None:
                     active = None  # (never seen) a row the mapping missed: take every row
@@ -549,7 +549,7 @@ class Planner:
             over = c.m.rows_over(prof, limit)
             new = set(over) - cm["rows"]
             if objective == "peak":
-                new = _highest(new, over)
+                new = _highest(new, over, PEAK_ROWS_PER_ROUND)
             if not new:
                 break
             cm["rows"] |= new
@@ -916,12 +916,17 @@ class Planner:
         return self.floor_plan
 
 
-def _highest(rows: set, over: dict, n: int = PEAK_ROWS_PER_ROUND) -> set:
+def _by_bytes(rows: set, over: dict) -> list:
+    """`rows`, the one where the plan holds the most bytes first (ties: by id)."""
+    return sorted(rows, key=lambda r: (-over[r], r))
+
+
+def _highest(rows: set, over: dict, n: int) -> set:
     """The `n` rows of `rows` that hold the most bytes."""
-    return set(sorted(rows, key=lambda r: (-over[r], r))[:n])
+    return set(_by_bytes(rows, over)[:n])
 
 
-def _highest_apart(rows: set, over: dict, n: int, width: int = ROWS_APART) -> set:
+def _highest_apart(rows: set, over: dict, n: int, width: int) -> set:
     """The `n` rows of `rows` that hold the most bytes, taken greedily at
     least `width` + 1 events apart (forward rows by forward position), then
     the highest of the rest if that leaves fewer than `n`.  The rows that
@@ -929,7 +934,7 @@ def _highest_apart(rows: set, over: dict, n: int, width: int = ROWS_APART) -> se
     in the gap before the next event the same tensors are live), a plan that
     fits one of them nearly fits the rest, and a row on another peak is what
     the next round would have found."""
-    ranked = sorted(rows, key=lambda r: (-over[r], r))
+    ranked = _by_bytes(rows, over)
 
     def place(r):
         return r[0] == "f", (r[1] if len(r) > 1 else -1)
