@@ -78,6 +78,10 @@ def programs(draw) -> Program:
         output_spec=draw(st.one_of(st.just(""), st.just('[1, {"type": null, "context": "null"}]'),
                                    any_text)),
         has_loss=draw(st.booleans()),
+        autocast=draw(st.one_of(st.sampled_from(["", "cpu:bfloat16", "cuda:float16"]), any_text)),
+        constants=draw(st.lists(st.one_of(st.just("scale=2.0"), any_text), max_size=2)),
+        guards=draw(st.lists(st.one_of(st.just("aten.all.default(aten.eq.Scalar(m, 1)) == True"), any_text),
+                             max_size=2)),
         comment=draw(st.lists(st.one_of(st.just(""), any_text, st.just(" padded "), st.just('"q"')),
                               max_size=3)),
     )
@@ -292,6 +296,15 @@ class _ToProgram(lark.Transformer):
 
     def has_loss(self, c):
         return [("has_loss", str(c[0].children[0]) == "true")]
+
+    def autocast(self, c):
+        return [("autocast", _word(c[0]))]
+
+    def constants(self, c):
+        return [("constants", [_string(x) for x in c])]
+
+    def guards(self, c):
+        return [("guards", [_string(x) for x in c])]
 
     # values
     def values(self, c):

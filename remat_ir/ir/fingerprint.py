@@ -23,6 +23,7 @@ from remat_ir.ir.types import Program
 # and what recomputing an op is believed to cost.
 _NOT_HASHED = frozenset({"line", "lines", "flops", "time_us"})
 _HEADER_HASHED = ("version", "device", "has_loss", "output_spec", "optim", "optim_state_bytes")
+_HEADER_HASHED_WHEN_SET = ("rewrites", "autocast", "constants", "guards")
 
 
 def fingerprint(program: Program) -> str:
@@ -31,7 +32,9 @@ def fingerprint(program: Program) -> str:
     h = program.header
     content = {
         # Rewrites only when there are some, so plans without any keep their fingerprints.
-        "header": {f: getattr(h, f) for f in _HEADER_HASHED} | ({"rewrites": h.rewrites} if h.rewrites else {}),
+        # Later fields only when set, so plans without them keep their fingerprints.
+        "header": {f: getattr(h, f) for f in _HEADER_HASHED}
+        | {f: getattr(h, f) for f in _HEADER_HASHED_WHEN_SET if getattr(h, f)},
         "values": [_facts(v) for v in program.values],
         "nodes": [_facts(n) for n in program.nodes],
         "outputs": [[o.kind, o.key, o.value] for o in program.outputs],

@@ -83,7 +83,8 @@ _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 # expects it: elsewhere the same word is a name.
 KEYWORDS = frozenset({
     "rir", "model", "fingerprint", "device", "cost", "flops", "profile", "optimizer", "bytes",
-    "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "true", "false",
+    "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "autocast", "constants", "guards",
+    "true", "false",
     "values", "input", "param", "buffer", "tangent", "value", "stride", "view", "of", "source",
     "requires_grad", "aliases", "graph", "forward", "backward", "_", "none", "inf", "nan",
     "module", "random", "mutates", "time_us", "compute", "recompute", "free", "outputs",
@@ -405,6 +406,14 @@ class _Reader:
             while self.follows(","):
                 self.i += 1
                 h.rewrites.append(self.word_value("a rewrite (batchnorm_split, chunked_loss:8)"))
+        elif field == "autocast":
+            h.autocast = self.word_value("the autocast as device:dtype (cpu:bfloat16)")
+        elif field in ("constants", "guards"):
+            items = [self.string()]
+            while self.follows(","):
+                self.i += 1
+                items.append(self.string())
+            setattr(h, field, items)
         else:
             h.has_loss = self.choice(("true", "false")) == "true"
 

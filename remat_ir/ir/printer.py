@@ -210,6 +210,11 @@ class _Printer:
         hl["output_spec"] = emit(f"output_spec {_quote(h.output_spec)}")
         if h.rewrites:
             hl["rewrites"] = emit(f"rewrites {', '.join(_word(r) for r in h.rewrites)}")
+        if h.autocast:
+            hl["autocast"] = emit(f"autocast {_word(h.autocast)}")
+        for field in ("constants", "guards"):
+            if getattr(h, field):
+                hl[field] = emit(f"{field} {', '.join(_quote(x) for x in getattr(h, field))}")
 
         inline = _inline_values(p)
         listed = [v for v in p.values if v.name not in inline]

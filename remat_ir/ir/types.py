@@ -178,6 +178,16 @@ class Header(msgspec.Struct, omit_defaults=True):
     # "batchnorm_split", "chunked_loss:8".  Applying them to a fresh trace of
     # the model gives this graph again.
     rewrites: list[str] = []
+    # The caller's `torch.autocast` the step was traced under: "<device type>:<dtype>"
+    # ("cpu:bfloat16"); empty when none was on.  The step runs only under the same.
+    autocast: str = ""
+    # The call's non-tensor arguments, each "name=literal" (a Python literal:
+    # "scale=2.0", "use_cache=False"); a call with other values is another step.
+    constants: list[str] = []
+    # Decisions the model's code took on the values of its inputs (an all-ones
+    # mask), each "expression == literal" over the inputs' names, aten ops only
+    # (`remat_ir.trace.guards`): the step is this graph only while they hold.
+    guards: list[str] = []
     comment: list[str] = []  # free text printed as `#` lines at the top
     # Header line name (`rir`, `model`, `fingerprint`, `device`, `cost`, `optimizer`,
     # `budget`, `has_loss`, `output_spec`) -> its 1-based `.rir` line, for messages;
