@@ -102,13 +102,33 @@ def check_autocast(program: Program, device: torch.device) -> None:
             "the wrapped module without an outer autocast")
 
 
+def constants_differ(constants: list[str], call) -> str:
+    """How the constants of `call` (a `remat_ir.trace.calls.Call`) differ
+    from `constants`, those a plan was made with (its header's), naming the
+    argument; "" when they do not.  An argument left out counts as the
+    forward's default, so passing the default is the same call."""
+    from remat_ir.trace.calls import constants_map
+
+    want, got = constants_map(constants), constants_map(call.constants)
+    for name in list(want) + [n for n in got if n not in want]:
+        w, g = want.get(name, call.defaults.get(name)), got.get(name, call.defaults.get(name))
+        if w == g:
+            continue
+        now = f"argument {name} is {g}" if name in got else (
+            f"argument {name} is not passed" + (f" (its default is {g})" if g is not None else ""))
+        made = f"the plan was made with {name}={w}" if name in want else (
+            "the plan was made without it" + (f" (its default, {w})" if w is not None else ""))
+        return f"{now} but {made}"
+    return ""
+
+
 def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     """Refuse a plan whose graph section this model no longer produces: the
     step is traced again under fake tensors, with inputs of the plan's
     shapes, dtypes and strides, and compared with the plan node by node."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from remat_ir.trace.calls import CallError, call_from_names
+    from remat_ir.trace.calls import CallError, call_from_names, constants_map, read_constant, rebuildable
     from remat_ir.trace.rewrites import is_neutral
     from remat_ir.trace.tracer import TraceError, trace_module
 
@@ -117,6 +137,17 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     device = next((p.device for p in model.parameters()), torch.device(program.header.device))
     with mode or contextlib.nullcontext():
         named = {v.source or v.name: _blank(v, device) for v in program.values if v.kind == INPUT}
+    # The call's constants as the plan was made with them (`scale=2.0`), not the forward's defaults.
+    at = program.header.lines.get("constants", 0)
+    for name, text in constants_map(program.header.constants).items():
+        if not rebuildable(text):
+            raise PlanMismatch(f"cannot check the model against the plan: it was made with the argument "
+                               f"{name}={text}, which cannot be built again from the plan's text; for a model "
+                               "you know is unchanged, skip this check with wrap(..., check_model=False)", at)
+        try:
+            named[name] = read_constant(text)
+        except ValueError as e:
+            raise PlanMismatch(f"the plan's constant {name}: {e}", at) from None
     try:
         args, kwargs = call_from_names(model, named)
     except CallError as e:

@@ -25,7 +25,7 @@ from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops 
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
-    PlanMismatch, check_autocast, check_device, check_graph, check_parameters, check_sound,
+    PlanMismatch, check_autocast, check_device, check_graph, check_parameters, check_sound, constants_differ,
 )
 from remat_ir.trace.calls import split_call
 
@@ -325,7 +325,7 @@ class PlanRunner:
             if list(x.shape) != v.shape or str(x.dtype) != "torch." + v.dtype:
                 return (f"input {name}: the plan was compiled for {v.dtype}{v.shape}, got "
                         f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
-        return ""
+        return constants_differ(self.program.header.constants, call)
 
     def run(self, model: torch.nn.Module, call):
         """One training step of `model` on `call`, by the plan."""

@@ -8,16 +8,33 @@ by the forward parameter it is passed as, whether positionally or by keyword
 `model(ids, labels=y)` and `model(input_ids=ids, labels=y)` feed a plan the
 same way, and a call passing a tensor where the plan was made with None (or
 the reverse) shows as a different set of names.
+
+The constants a call passes (not the forward's defaults it leaves out) are
+named the same way and written as text, `name=literal` (`scale=2.0`,
+`use_cache=False`), which the plan's header lists: an argument holding no
+tensor is one constant, written whole (`sizes=(2, 3)`); inside an argument
+that holds tensors, each other leaf is one (`past.1=None`).  The literal is
+`repr` for None, bool, int, float, str, bytes and tuples, lists and dicts of
+them, which `ast.literal_eval` reads back, except for the floats without a
+literal: the infinities are written `1e999` and `-1e999` (which
+`literal_eval` reads as them) and NaN `nan` (which `read_constant` reads).
+Anything else is written `<TypeName repr>` (`<dtype torch.float16>`), or
+`<TypeName object>` when its repr is long or holds an address: such a
+constant cannot be built again from the plan, and calls are told apart by
+that text alone.
 """
 from __future__ import annotations
 
+import ast
 import inspect
+import math
+import re
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Call", "CallError", "split_call"]
+__all__ = ["Call", "CallError", "constant_text", "constants_map", "read_constant", "rebuildable", "split_call"]
 
 
 class CallError(TypeError):
@@ -25,7 +42,7 @@ class CallError(TypeError):
 
 
 class _Slot:
-    """Stands for the tensor leaf number `i` while the call is bound to the signature."""
+    """Stands for the leaf number `i` while the call is bound to the signature."""
 
     def __init__(self, i: int):
         self.i = i
@@ -33,12 +50,18 @@ class _Slot:
 
 class Call:
     """One call's arguments: `tensors` (named `names`), and the structure with
-    the constants to rebuild the call from other tensors of the same names."""
+    the constants to rebuild the call from other tensors of the same names.
+    `constants`: the constants the call passes, each "name=literal" (see the
+    module's docstring), as a plan's header lists them; `defaults`: name ->
+    literal of the forward's defaults (passed or not)."""
 
-    def __init__(self, leaves: list, spec, tensor_at: list[int], names: list[str]):
+    def __init__(self, leaves: list, spec, tensor_at: list[int], names: list[str],
+                 constants: list[str] | None = None, defaults: dict[str, str] | None = None):
         self._leaves, self._spec, self._tensor_at = leaves, spec, tensor_at
         self.names = names
         self.tensors = [leaves[i] for i in tensor_at]
+        self.constants = list(constants or [])
+        self.defaults = dict(defaults or {})
 
     def rebuild(self, tensors) -> tuple[tuple, dict]:
         """(args, kwargs) of this call with `tensors` in place of its own."""
@@ -69,16 +92,15 @@ def split_call(module: torch.nn.Module, args=(), kwargs: dict | None = None) -> 
     args, kwargs = tuple(args), dict(kwargs or {})
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    slots = list(leaves)
-    for i in tensor_at:
-        slots[i] = _Slot(i)
-    s_args, s_kwargs = pytree.tree_unflatten(slots, spec)
-    names = _names(module, s_args, s_kwargs)
-    return Call(leaves, spec, tensor_at, [names[i] for i in tensor_at])
+    s_args, s_kwargs = pytree.tree_unflatten([_Slot(i) for i in range(len(leaves))], spec)
+    names, constants, defaults = _names(module, s_args, s_kwargs, leaves)
+    return Call(leaves, spec, tensor_at, [names[i] for i in tensor_at], constants, defaults)
 
 
-def _names(module, args, kwargs) -> dict[int, str]:
-    """Leaf number -> its name, for the leaves that are `_Slot`s."""
+def _names(module, args, kwargs, leaves) -> tuple[dict[int, str], list[str], dict[str, str]]:
+    """Leaf number -> its name for the tensor leaves (the arguments hold
+    `_Slot`s for the `leaves`); the constants passed, as "name=literal";
+    and name -> literal of the forward's defaults."""
     try:
         sig = inspect.signature(module.forward)
     except (TypeError, ValueError):  # a builtin forward: no signature to name by
@@ -90,6 +112,7 @@ def _names(module, args, kwargs) -> dict[int, str]:
         raise CallError(f"{type(module).__name__}.forward{sig} cannot take these arguments: {e}") from None
     n_positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in sig.parameters.values())
     out: dict[int, str] = {}
+    constants: list[str] = []
     for pname, value in bound.arguments.items():
         kind = sig.parameters[pname].kind
         if kind == inspect.Parameter.VAR_POSITIONAL:
@@ -99,10 +122,21 @@ def _names(module, args, kwargs) -> dict[int, str]:
         else:
             tops = [(pname, value)]
         for top, v in tops:
-            for path, leaf in pytree.tree_flatten_with_path(v)[0]:
-                if isinstance(leaf, _Slot):
-                    out[leaf.i] = top + "".join(f".{_key(k)}" for k in path)
-    return out
+            flat = [(path, leaf) for path, leaf in pytree.tree_flatten_with_path(v)[0] if isinstance(leaf, _Slot)]
+            if not any(isinstance(leaves[leaf.i], torch.Tensor) for _, leaf in flat):
+                # No tensor in it: one constant, the argument as passed.
+                whole = pytree.tree_map(lambda x: leaves[x.i] if isinstance(x, _Slot) else x, v)
+                constants.append(f"{top}={constant_text(whole)}")
+                continue
+            for path, leaf in flat:
+                name = top + "".join(f".{_key(k)}" for k in path)
+                if isinstance(leaves[leaf.i], torch.Tensor):
+                    out[leaf.i] = name
+                else:
+                    constants.append(f"{name}={constant_text(leaves[leaf.i])}")
+    defaults = {p.name: constant_text(p.default) for p in sig.parameters.values()
+                if p.default is not p.empty and not isinstance(p.default, torch.Tensor)}
+    return out, constants, defaults
 
 
 def _key(k: Any) -> str:
@@ -146,3 +180,78 @@ def call_from_names(module: torch.nn.Module, named: dict[str, Any]) -> tuple[tup
     args += [named[n] for n in extra]
     taken = {p.name for p in positional[:upto]} | set(extra)
     return tuple(args), {n: v for n, v in named.items() if n not in taken}
+
+
+def constant_text(value) -> str:
+    """`value`, a call's constant, as a plan writes it: a Python literal when
+    it has one, else `<TypeName repr>` or `<TypeName object>` (see the
+    module's docstring)."""
+    text = _literal(value)
+    if text is not None:
+        return text
+    kind = type(value).__qualname__
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails says nothing either
+        r = ""
+    if not r or len(r) > 80 or "\n" in r or _ADDRESS.search(r):
+        return f"<{kind} object>"
+    return f"<{kind} {r}>"
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
+
+
+def _literal(v) -> str | None:
+    t = type(v)
+    if v is None or t in (bool, int, str, bytes):
+        return repr(v)
+    if t is float:
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "1e999" if v > 0 else "-1e999"
+        return repr(v)
+    if t in (tuple, list):
+        items = [_literal(x) for x in v]
+        if any(x is None for x in items):
+            return None
+        if t is list:
+            return "[" + ", ".join(items) + "]"
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if t is dict:
+        pairs = [(_literal(k), _literal(x)) for k, x in v.items()]
+        if any(k is None or x is None for k, x in pairs):
+            return None
+        return "{" + ", ".join(f"{k}: {x}" for k, x in pairs) + "}"
+    return None
+
+
+def rebuildable(text: str) -> bool:
+    """Whether a constant's text is a literal `read_constant` reads (not `<...>`)."""
+    return not text.startswith("<")
+
+
+class _Nan(ast.NodeTransformer):
+    def visit_Name(self, node):
+        if node.id == "nan":
+            return ast.copy_location(ast.Constant(math.nan), node)
+        return node
+
+
+def read_constant(text: str):
+    """The value a constant's text (as `constant_text` writes it) stands for:
+    `ast.literal_eval`, with `nan` for NaN.  Raises ValueError for one that
+    is no literal (`<TypeName object>`)."""
+    if not rebuildable(text):
+        raise ValueError(f"{text} is not a Python literal: the value cannot be built from the plan")
+    try:
+        tree = _Nan().visit(ast.parse(text.strip(), mode="eval"))
+        return ast.literal_eval(tree.body)
+    except (SyntaxError, ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"{text} is not a Python literal ({e})") from None
+
+
+def constants_map(constants: list[str]) -> dict[str, str]:
+    """Name -> literal, of constants written "name=literal"."""
+    return dict(c.partition("=")[::2] for c in constants)

@@ -186,6 +186,10 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
     rewrite(gm, target, fuse and not neutral)  # a neutral trace holds no device's fusions
     program = _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                           loss_fn is not None, model_name)
+    if call.constants:
+        # The call's non-tensor arguments: another value is another step.
+        program.header.constants = list(call.constants)
+        program.header.fingerprint = fingerprint(program)
     if neutral:
         program.header.comment.append(NEUTRAL_NOTE)
         retarget(program, target)
