@@ -2,7 +2,7 @@
 
     model = remat_ir.wrap(model, budget=0.6)   # plans at the first training step, cached on disk
 
-    plan = remat_ir.compile(model, (x, y), budget="0.5", scope="activations")   # trace + optimize
+    plan = remat_ir.compile(model, (x, y), budget="0.5")   # trace + optimize (0.5 of the activation peak)
     remat_ir.save_plan(plan, "plan.rir")
 
     plan = remat_ir.load_plan("plan.rir")

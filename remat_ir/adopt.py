@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.runtime.interpret import PlanRunner, WrappedModule
 
 __all__ = ["AutoRemat", "cache_dir", "wrap"]
@@ -58,7 +59,7 @@ def _uses_fsdp(model) -> bool:
     return isinstance(model, torch.nn.Module) and uses_fsdp(model)
 
 
-def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = "activations",
+def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = DEFAULT_SCOPE,
          optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
          solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True):
     """`model`, whose training steps run by a remat-ir plan.
@@ -105,7 +106,7 @@ class AutoRemat(WrappedModule):
     """`model` with a plan per call signature, made on first use (see the
     module's docstring).  `plans` holds the ones in memory, most recent last."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = "activations",
+    def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = DEFAULT_SCOPE,
                  optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
                  solver: str = "HIGHS", cache: bool = True, max_plans: int = 8):
         from remat_ir import pipeline

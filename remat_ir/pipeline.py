@@ -2,7 +2,7 @@
 verified plan out.  `remat-compile`, `remat-bench` and `tools/gpu_check.py`
 are faces over it.
 
-    plan = remat_ir.compile(model, (x, y), loss=loss_fn, budget="0.5", scope="activations")
+    plan = remat_ir.compile(model, (x, y), loss=loss_fn, budget="0.5")   # half the activation peak
     remat_ir.save_plan(plan, "plan.rir")
 
 The arguments follow `torch.export.export`: the module, a tuple of
@@ -21,8 +21,11 @@ The stages, also callable one by one (one trace, several budgets):
 
 A budget is bytes (int), a size ("1.5GiB", "800MB"), a fraction of the
 unoptimized peak in `scope` (0.5, "0.5", "50%"), or "floor" (the smallest peak
-the optimizer reaches).  Pass `stats=CompileStats()` to learn how long each
-stage took and what the optimizer did.
+the optimizer reaches).  `scope` is "activations" by default (`DEFAULT_SCOPE`,
+every entry point's): what the step adds on top of parameters, gradients and
+optimizer state, which recomputation can shrink; "total" counts those too.
+Pass `stats=CompileStats()` to learn how long each stage took and what the
+optimizer did.
 
 Errors: `TraceError` (the step cannot be traced), `ModelError` (`model` is no
 `nn.Module`), `ProfileError`, `BudgetError` (a `ValueError`: an unreadable
@@ -40,12 +43,11 @@ from typing import Any, Callable
 
 from remat_ir.ir import COST_FLOPS, COST_MODELS, COST_PROFILE, Program
 from remat_ir.ir.fingerprint import fingerprint
-from remat_ir.ir.types import OPTIMIZER_STATES
+from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 
 __all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "compile", "fit", "plan_device",
            "trace"]
 
-SCOPES = ("total", "activations")
 # The optimizer's safety stop in seconds (its search is bounded by counts, not
 # time; see remat_ir.optimize.search.Settings).
 TIME_LIMIT = 300.0
@@ -159,7 +161,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     return program
 
 
-def budget_bytes(program: Program, budget, scope: str = "total", *, time_limit: float = TIME_LIMIT,
+def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_limit: float = TIME_LIMIT,
                  solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
                  planner=None, exact: bool = False) -> int:
     """`budget` (see the module's docstring) in bytes, for `program` in
@@ -206,7 +208,7 @@ def _verified(program: Program, stats: CompileStats | None) -> Program:
     return program
 
 
-def fit(program: Program, budget=None, *, scope: str = "total", time_limit: float = TIME_LIMIT,
+def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit: float = TIME_LIMIT,
         solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
         planner=None, exact: bool = False) -> Program:
     """The plan for `program` (as `trace` returns it) whose predicted peak in
@@ -246,7 +248,7 @@ def fit(program: Program, budget=None, *, scope: str = "total", time_limit: floa
 
 
 def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
-            name: str | None = None, budget=None, scope: str = "total", optimizer: str = "none",
+            name: str | None = None, budget=None, scope: str = DEFAULT_SCOPE, optimizer: str = "none",
             fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5, time_limit: float = TIME_LIMIT,
             solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
             device: str | None = None, exact: bool = False) -> Program:

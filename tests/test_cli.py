@@ -208,9 +208,12 @@ def test_output_into_a_missing_directory_fails_first(tmp_path, capsys, monkeypat
 
 
 def test_scope_without_budget_is_refused(tmp_path, capsys):
-    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--scope", "activations"]) == 2
-    assert "--scope activations says what --budget" in capsys.readouterr().err
+    # Only a scope other than the default says something a missing budget leaves unused.
+    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--scope", "total"]) == 2
+    assert "--scope total says what --budget" in capsys.readouterr().err
     assert not (tmp_path / "p.rir").exists()
+    assert compile_main(["mlp", "--fake", "-o", str(tmp_path / "p.rir"), "--scope", "activations", "--quiet"]) == 0
+    assert "\nbudget " not in (tmp_path / "p.rir").read_text()
 
 
 @pytest.mark.parametrize("steps", ["0", "-1"])

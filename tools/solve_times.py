@@ -32,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat_ir.optimize.search import Infeasible, floor, optimize, unoptimized_peak  # noqa: E402
 from remat_ir.ir.printer import human_bytes  # noqa: E402
+from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2-small,gpt2-medium")
     ap.add_argument("--fractions", default="0.7,0.5,0.3")
-    ap.add_argument("--scope", default="activations", choices=("activations", "total"))
+    ap.add_argument("--scope", default=DEFAULT_SCOPE, choices=SCOPES)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=60.0)

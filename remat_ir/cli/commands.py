@@ -29,6 +29,7 @@ def compile_main(argv=None) -> int:
 
 
 def _compile_parser() -> argparse.ArgumentParser:
+    from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
     from remat_ir.models import describe_builtins
 
     p = argparse.ArgumentParser(
@@ -47,7 +48,9 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="optimizer whose state the prediction and the total budget include")
     p.add_argument("--budget", help="memory budget: bytes, 1.5GiB, 800MB, a fraction (0.5) of the "
                                     "unoptimized peak in --scope, or floor (the smallest peak reachable)")
-    p.add_argument("--scope", default="total", choices=["total", "activations"])
+    p.add_argument("--scope", default=DEFAULT_SCOPE, choices=SCOPES,
+                   help=f"what --budget measures (default {DEFAULT_SCOPE}): activations, what the step adds "
+                        "on top of parameters, gradients and optimizer state; total, all of it")
     p.add_argument("--solver", default="HIGHS")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="safety stop for the optimizer, in seconds per budget (default 300); a plan it "
@@ -103,13 +106,14 @@ def _compile(argv) -> int:
     from remat_ir.cli.report import breakdown
     from remat_ir.ir.costs import overhead_text
     from remat_ir.ir.printer import with_lines
+    from remat_ir.ir.types import DEFAULT_SCOPE
     from remat_ir.pipeline import BudgetError, CompileStats, UnsoundPlan, budget_bytes, fit, trace
     from remat_ir.runtime.load import check_device, load_model
 
     # Flags are checked before any work, so a typo fails in a second.
     _check_output(args.output, args.model)
     check_device(args.device)
-    if args.scope != "total" and args.budget is None and not (
+    if args.scope != DEFAULT_SCOPE and args.budget is None and not (
             args.pareto or args.pareto_points is not None or args.pareto_png is not None):
         raise CliError(f"--scope {args.scope} says what --budget (or --pareto) measures; give --budget, "
                        f"or drop --scope")

@@ -27,6 +27,15 @@ COST_MODELS = (COST_FLOPS, COST_PROFILE)
 # simulator predicts these bytes and the runtime allocates these tensors.
 OPTIMIZER_STATES = {"none": 0, "sgd": 1, "adam": 2}
 
+# What a budget measures (`Budget.scope`).  "activations": what the step adds
+# on top of parameters, gradients and optimizer state, the part recomputation
+# can shrink (what a budget fraction means in activation checkpointing);
+# "total": everything live in the step.  DEFAULT_SCOPE is the default of every
+# entry point that takes a budget: compile, fit, budget_bytes, wrap, the
+# optimizer's functions and remat-compile --scope.
+SCOPES = ("total", "activations")
+DEFAULT_SCOPE = "activations"
+
 # ---------------------------------------------------------------- arguments
 
 
@@ -156,7 +165,9 @@ class Output(msgspec.Struct, omit_defaults=True):
 
 class Budget(msgspec.Struct, omit_defaults=True):
     bytes: int
-    scope: str = "total"  # "total" or "activations"
+    # One of SCOPES.  This default belongs to the JSON and msgpack forms (they
+    # leave a "total" scope out), not to the entry points (DEFAULT_SCOPE).
+    scope: str = "total"
 
 
 class Header(msgspec.Struct, omit_defaults=True):

@@ -47,6 +47,7 @@ from remat_ir.ir import (
     Instr, Program, node_inputs,
 )
 from remat_ir.check.simulate import ACTIVATIONS, TEMPORARIES, simulate
+from remat_ir.ir.types import DEFAULT_SCOPE
 
 NEVER = 1 << 40  # "no stage"
 
@@ -90,7 +91,7 @@ class Storage:
 class Analysis:
     """Facts about a program the optimizer needs; see the module docstring."""
 
-    def __init__(self, program: Program, scope: str = "total"):
+    def __init__(self, program: Program, scope: str = DEFAULT_SCOPE):
         if scope not in ("total", "activations"):
             raise ValueError(f"scope must be 'total' or 'activations', not {scope!r}")
         self.program = program

@@ -25,6 +25,7 @@ from remat_ir.ir.costs import overhead, unit_label
 from remat_ir.ir import COST_PROFILE, Program
 from remat_ir.ir.files import write_atomically
 from remat_ir.ir.printer import human_bytes
+from remat_ir.ir.types import DEFAULT_SCOPE
 
 DEFAULT_POINTS = 8
 
@@ -65,7 +66,7 @@ def budgets(top: int, floor: int, points: int = DEFAULT_POINTS) -> list[int]:
     return sorted(set(out), reverse=True)
 
 
-def sweep(program: Program, scope: str = "total", *, points: int = DEFAULT_POINTS,
+def sweep(program: Program, scope: str = DEFAULT_SCOPE, *, points: int = DEFAULT_POINTS,
           time_limit: float | None = None, solver: str = "HIGHS", log=None, progress=None,
           effort: str = "fast") -> list[Row]:
     """Optimize `program` for `points` budgets from its unoptimized peak down to
@@ -138,7 +139,7 @@ def format_table(rows: list[Row], title: str = "") -> str:
 # ------------------------------------------------------------------- plot
 
 
-def plot(rows: list[Row], path: str | os.PathLike, *, title: str = "", scope: str = "total",
+def plot(rows: list[Row], path: str | os.PathLike, *, title: str = "", scope: str = DEFAULT_SCOPE,
          ylabel: str = "") -> None:
     """Predicted peak (x) against extra compute (y), one marker per budget,
     written to `path` as a PNG (atomically: a temporary file renamed)."""

@@ -27,6 +27,7 @@ own `Planner`, kept for later budgets.
 from __future__ import annotations
 
 from remat_ir.ir import Program
+from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize.blocks import segments
 from remat_ir.optimize.family import Analysis
 from remat_ir.optimize.search import DEFAULT_TIME_LIMIT, Infeasible, OptimizeResult, Planner, optimize
@@ -43,7 +44,7 @@ FLAT_FLOOR_DECISIONS = 100
 class RewritePlanner:
     """Planners for `program` and each rewrite of it the ladder tries."""
 
-    def __init__(self, program: Program, scope: str = "total", *, solver: str = "HIGHS", effort="fast",
+    def __init__(self, program: Program, scope: str = DEFAULT_SCOPE, *, solver: str = "HIGHS", effort="fast",
                  exact: bool = False, log=None, planner: Planner | None = None):
         self.program, self.scope, self.solver, self.effort, self.exact, self.log = (
             program, scope, solver, effort, exact, log)

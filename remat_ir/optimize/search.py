@@ -44,6 +44,7 @@ from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
 from remat_ir.optimize.milp import KeepModel, SolveRecord, installed_solvers, pick_options
 from remat_ir.ir.schedule import default_schedule
+from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
 
 # Up to this many decisions the flat MILP, with its memory rows added as the
@@ -82,7 +83,7 @@ class Infeasible(ValueError):
     """The budget is below the smallest peak this optimizer can reach."""
 
     def __init__(self, message: str, floor_bytes: int, budget_bytes: int | None = None,
-                 scope: str = "total"):
+                 scope: str = DEFAULT_SCOPE):
         super().__init__(message)
         self.floor_bytes = int(floor_bytes)
         self.budget_bytes = budget_bytes
@@ -98,7 +99,7 @@ class OptimizeResult:
     solves: list[SolveRecord]
     seconds: float
     budget: int = 0
-    scope: str = "total"
+    scope: str = DEFAULT_SCOPE
     mode: str = "flat"  # "flat", "decomposed" or "none" (the unoptimized plan fits)
     recomputed: list[str] = field(default_factory=list)
     time_limited: bool = False  # the safety time limit cut the search short
@@ -118,7 +119,7 @@ _UNITS = {
 }
 
 
-def unoptimized_peak(program: Program, scope: str = "total") -> int:
+def unoptimized_peak(program: Program, scope: str = DEFAULT_SCOPE) -> int:
     """Peak of the default schedule (compute in order, free after last use)."""
     fwd, bwd = default_schedule(program)
     base = Program(header=program.header, values=program.values, nodes=program.nodes,
@@ -126,7 +127,7 @@ def unoptimized_peak(program: Program, scope: str = "total") -> int:
     return simulated_peak(base, scope)[0]
 
 
-def resolve_budget(program: Program, text: str | int | float, scope: str = "total") -> int:
+def resolve_budget(program: Program, text: str | int | float, scope: str = DEFAULT_SCOPE) -> int:
     """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
     a fraction of the unoptimized peak in the scope: "0.5", "50%".  Raises
     ValueError when it cannot be read, or is not a finite number of bytes
@@ -303,7 +304,7 @@ class Planner:
     caller that plans several budgets of one program (a sweep, the floor then
     a budget) holds one Planner and passes it to `floor` and `optimize`."""
 
-    def __init__(self, program: Program, scope: str = "total", *, solver: str = "HIGHS",
+    def __init__(self, program: Program, scope: str = DEFAULT_SCOPE, *, solver: str = "HIGHS",
                  decompose: bool | None = None, effort: str | Settings = "fast", log=None):
         if isinstance(effort, str) and effort not in EFFORTS:
             raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
@@ -993,7 +994,7 @@ def _planner_for(program: Program, scope: str, solver: str, log, decompose, effo
     return planner
 
 
-def floor(program: Program, scope: str = "total", *, time_limit: float = DEFAULT_TIME_LIMIT,
+def floor(program: Program, scope: str = DEFAULT_SCOPE, *, time_limit: float = DEFAULT_TIME_LIMIT,
           solver: str = "HIGHS", log=None, decompose: bool | None = None, effort: str | Settings = "fast",
           planner: Planner | None = None) -> int:
     """The smallest peak (in `scope`, max of first step and steady state) of
@@ -1004,7 +1005,7 @@ def floor(program: Program, scope: str = "total", *, time_limit: float = DEFAULT
     return pl.floor_plan_for().peak
 
 
-def optimize(program: Program, budget_bytes: int, scope: str = "total", *,
+def optimize(program: Program, budget_bytes: int, scope: str = DEFAULT_SCOPE, *,
              time_limit: float = DEFAULT_TIME_LIMIT, solver: str = "HIGHS", log=None,
              decompose: bool | None = None, effort: str | Settings = "fast",
              planner: Planner | None = None, prove: bool = True) -> OptimizeResult:
