@@ -40,6 +40,8 @@ from __future__ import annotations
 import difflib
 import logging
 
+from remat_ir.ir.guards import Guard, GuardError
+from remat_ir.ir.ops import fake_kernels
 from remat_ir.ir.types import (
     COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, OPTIMIZER_STATES, PARAM, RESULT, TANGENT,
     Device, DType, Layout, MemoryFormat, Program, Ref, Seq, Special, arg_refs,
@@ -136,7 +138,7 @@ class _Checker:
         log = logging.getLogger(self.ft.__name__)
         was_disabled, log.disabled = log.disabled, True
         try:
-            with self.ft.FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            with self.ft.FakeTensorMode(allow_non_fake_inputs=False) as mode, fake_kernels(self.device.type):
                 self.mode = mode
                 for i, n in enumerate(self.p.nodes):
                     try:
@@ -186,6 +188,12 @@ class _Checker:
                                            f"per trainable parameter, {want} bytes for this plan's "
                                            f"parameters, but the header says {h.optim_state_bytes} bytes; "
                                            f"write `optimizer {h.optim} {want} bytes`")
+        for g in h.guards:
+            try:
+                Guard(g)
+            except GuardError as e:
+                self.err(loc("guards"), f"{e}; guards are written by the tracer: restore the line, or "
+                                        "compile the plan again")
         if h.output_spec:
             from remat_ir.ir.specs import load_treespec
             try:

@@ -33,9 +33,11 @@ reduction); the tracer fuses the pair only in CPU traces.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from torch.utils import _pytree as pytree
 
 _lib = torch.library.Library("remat", "FRAGMENT")
 _lib.define("dropout_keep(Tensor x, float p) -> Tensor")
@@ -155,3 +157,39 @@ def device_problems(ops, device: str) -> list[str]:
     if torch.device(device).type == "cpu":
         return []
     return list(dict.fromkeys(op for op in ops if cpu_only(op)))
+
+
+@contextlib.contextmanager
+def fake_kernels(device_type: str):
+    """Fake kernels for ops whose meta function refuses what the device's
+    kernel runs: `aten._grouped_mm`'s (written for CUDA) takes bfloat16
+    only, where the CPU kernel takes any float (transformers' MoE experts in
+    float32 run it).  The shapes come from the meta function itself, asked
+    in bfloat16; the dtype is the operands'."""
+    if device_type != "cpu" or not hasattr(torch.ops.aten, "_grouped_mm"):
+        yield
+        return
+    from torch._subclasses import fake_impls
+
+    grouped = torch.ops.aten._grouped_mm.default
+
+    def grouped_mm(mode, func, mat_a, mat_b, *args, **kwargs):
+        if mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype or kwargs.get("out_dtype") is not None:
+            return NotImplemented
+        def meta(t, dtype=None):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="meta")
+
+        with torch.utils._python_dispatch._disable_current_modes():
+            shape = grouped(meta(mat_a, torch.bfloat16), meta(mat_b, torch.bfloat16),
+                            *pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs))
+        with mode:
+            return torch.empty_strided(shape.shape, shape.stride(), dtype=mat_a.dtype, device=mat_a.device)
+
+    entry = (lambda func: func is grouped, grouped_mm)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)

@@ -9,6 +9,7 @@ GPT-2 medium step is planned in seconds on a laptop.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable
 
@@ -20,13 +21,15 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from remat_ir import ir
-from remat_ir.ir.ops import HIDDEN_MUTATORS, RANDOM_OPS
+from remat_ir.ir.ops import HIDDEN_MUTATORS, RANDOM_OPS, fake_kernels
 from remat_ir.ir import (
     BACKWARD, BUFFER, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output,
     Program, Value,
 )
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.schedule import default_schedule
+from remat_ir.ir.guards import GuardError, answers_of
+from remat_ir.trace.guards import StepValues
 from remat_ir.trace.rewrites import NEUTRAL_NOTE, canonical_device, device_neutral, retarget, rewrite
 
 
@@ -41,7 +44,8 @@ _UNSUPPORTED = {"aten._local_scalar_dense.default", "aten.nonzero.default", "ate
 
 def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs: dict | None = None,
                  loss_fn: Callable | None = None, model_name: str = "", fake: bool = False,
-                 device: str | None = None, fuse: bool = True, neutral: bool | None = None) -> Program:
+                 device: str | None = None, fuse: bool = True, neutral: bool | None = None,
+                 guards: list[str] | None = None, autocast: str | None = None) -> Program:
     """Trace one training step of `module(*example_inputs, **kwargs)`.
 
     The call's tensors are the plan's inputs, named after the forward's
@@ -56,18 +60,32 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     CUDA without a CUDA build of torch the trace is device-neutral (see
     `remat_ir.trace.rewrites.device_neutral`) and its header says so;
     `neutral=True` traces so on any build (to compare with such a plan).
+
+    The forward (and the loss) is traced under `autocast` ("cpu:bfloat16":
+    as `torch.autocast("cpu", dtype=torch.bfloat16)` runs it; "" for none)
+    and backward outside it, as eager runs a `loss.backward()` called after
+    the autocast block; None: the autocast in effect where this is called,
+    for the step's device type.  No other autocast is on during the trace.
+
+    What the model's code reads of its inputs' values (`torch.all(mask == 1)`)
+    is answered from the call's real tensors and recorded in the header's
+    guards, and tracing probes answer as in eager (`remat_ir.trace.guards`);
+    with fake inputs, nothing is answered.  `guards`: answer from these
+    instead (a plan's own, to check a model against it).
     """
-    from remat_ir.trace.calls import CallError, split_call
+    from remat_ir.trace.calls import CallError, autocast_off, split_call
 
     try:
         call = split_call(module, example_inputs, kwargs)
     except CallError as e:
         raise TraceError(str(e)) from None
+    if autocast is not None:
+        call.autocast = autocast
     was_training = module.training
     module.train()
     try:
-        with torch.random.fork_rng(devices=[]):
-            return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral)
+        with torch.random.fork_rng(devices=[]), autocast_off():
+            return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral, guards)
     finally:
         module.train(was_training)
 
@@ -93,7 +111,7 @@ def model_buffers(module: torch.nn.Module):
     return [tuple(x) for x in seen.values()]
 
 
-def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neutral=None) -> Program:
+def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neutral=None, guards=None) -> Program:
     params = model_params(module)
     buffers = model_buffers(module)
     inputs = call.tensors
@@ -113,6 +131,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
     on_cpu = target == "cuda" and not torch.cuda.is_available()
     neutral = on_cpu if neutral is None else neutral or on_cpu
     move = None if on_cpu else canonical_device(target)
+    autocast = _autocast_region(call.autocast, target, neutral)
 
     def fakeify(t):
         f = t if isinstance(t, FakeTensor) else mode.from_tensor(t)
@@ -125,20 +144,23 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
 
     names = [n for n, _, _ in params]
     bnames = [n for n, _, _ in buffers]
+    values = _step_values(call, inputs, f_inputs, buffers, f_bufs, guards)
 
     def run(ps, bs, xs):
         state = dict(zip(names, ps))
         state.update(zip(bnames, bs))
         args, kwargs = call.rebuild(xs)
-        with device_neutral(neutral):
-            out = torch.func.functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
-            if loss_fn is not None:
-                out = loss_fn(out, *args, **kwargs)
+        with device_neutral(neutral), values or contextlib.nullcontext(), \
+                values.probes_answer_eager() if values else contextlib.nullcontext():
+            with autocast():
+                out = torch.func.functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+                if loss_fn is not None:
+                    out = loss_fn(out, *args, **kwargs)
         return _without_caches(out)
 
     # A first pass to learn the forward results' structure and shapes.
     try:
-        with mode:
+        with mode, fake_kernels(target):
             probe = run(f_params, f_bufs, f_inputs)
     except Exception as e:  # noqa: BLE001 - the model's own code failed under fake tensors
         raise _explain(e) from e
@@ -173,7 +195,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
 
     hooks = _install_module_hooks(module)
     try:
-        with fx_traceback.preserve_node_meta(), mode:
+        with fx_traceback.preserve_node_meta(), mode, fake_kernels(target):
             gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_inputs, *f_tangents)
     except TraceError:
         raise
@@ -183,17 +205,84 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
         for h in hooks:
             h.remove()
 
+    _drop_unused(gm)
     rewrite(gm, target, fuse and not neutral)  # a neutral trace holds no device's fusions
     program = _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
-                          loss_fn is not None, model_name)
-    if call.constants:
-        # The call's non-tensor arguments: another value is another step.
+                          loss_fn is not None, model_name, values.guards if values else [])
+    if call.constants or call.autocast:
+        # The call's non-tensor arguments and its autocast: another value is another step.
         program.header.constants = list(call.constants)
+        program.header.autocast = call.autocast
         program.header.fingerprint = fingerprint(program)
     if neutral:
         program.header.comment.append(NEUTRAL_NOTE)
         retarget(program, target)
     return program
+
+
+def _drop_unused(gm) -> None:
+    """Remove ops whose results nothing reads and that change nothing: what
+    the model computed only to read its values in Python (answered by
+    `remat_ir.trace.guards`, not part of the step), and any other dead
+    pure op.  Random ops stay: eager draws them."""
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op != "call_function" or n.users:
+            continue
+        op = n.target
+        if op is operator.getitem or isinstance(op, torch._ops.OpOverload) and not (
+                _is_random(op) or op._schema.is_mutable or _mutated_indices(n)):
+            gm.graph.erase_node(n)
+
+
+def _step_values(call, inputs, f_inputs, buffers, f_bufs, guards) -> StepValues | None:
+    """What answers the model's questions about its inputs' values in this
+    trace: the call's real tensors, the plan's `guards`, or (fake inputs)
+    nothing."""
+    def real(t):
+        return t if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and not t.is_meta else None
+
+    if guards is not None:
+        if not guards:
+            return None
+        answers = answers_of(guards)
+    elif all(real(x) is not None for x in inputs):
+        answers = None
+    else:
+        return None
+    ins = {n: (f, real(x)) for n, f, x in zip(call.names, f_inputs, inputs)}
+    bufs = {n: (f, real(b)) for (n, b, _), f in zip(buffers, f_bufs)}
+    return StepValues(ins, bufs, answers)
+
+
+def _autocast_region(autocast: str, target: str, neutral: bool):
+    """What the forward and the loss are traced under: `autocast` ("" for
+    none), with autocast's cache of cast weights emptied on entering and on
+    leaving, so that no pass reuses another's casts (nor the caller's
+    region, whose cache an outer autocast keeps, ours)."""
+    if not autocast:
+        return contextlib.nullcontext
+    from remat_ir.trace.calls import describe_autocast, parse_autocast
+
+    try:
+        device_type, dtype = parse_autocast(autocast)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
+    if device_type != target:
+        raise TraceError(f"{describe_autocast(autocast)} is for {device_type}, but the step runs on {target}")
+    if neutral:
+        raise TraceError(f"a step under {describe_autocast(autocast)} is traced where it runs: autocast "
+                         f"casts other ops on CPU; trace it on a machine with {device_type}")
+
+    @contextlib.contextmanager
+    def region():
+        torch.clear_autocast_cache()
+        try:
+            with torch.autocast(device_type, dtype=dtype):
+                yield
+        finally:
+            torch.clear_autocast_cache()
+
+    return region
 
 
 def _without_caches(out):
@@ -225,6 +314,8 @@ def _explain(e: Exception) -> TraceError:
     """A TraceError naming the op when tracing hit one a static program cannot hold."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+    if isinstance(e, GuardError):
+        return TraceError(str(e))
     if isinstance(e, (DynamicOutputShapeException, DataDependentOutputException)):
         return TraceError(f"unsupported op {e.func}: its output depends on tensor values, which a plan "
                           "with static shapes cannot replay; rewrite the model without it (e.g. use "
@@ -289,7 +380,7 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec, has_loss,
-                model_name) -> Program:
+                model_name, guards=()) -> Program:
     graph = gm.graph
     fx_nodes = list(graph.nodes)
     placeholders = [n for n in fx_nodes if n.op == "placeholder"]
@@ -368,13 +459,33 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
         if _is_random(n.target) or _mutated_indices(n):
             seeds.append(n)
     forward_set: set = set()
-    work = list(seeds)
-    while work:
-        n = work.pop()
-        if n in forward_set or n.op == "placeholder":
-            continue
-        forward_set.add(n)
-        work.extend(n.all_input_nodes)
+
+    def close(work):
+        while work:
+            n = work.pop()
+            if n in forward_set or n.op == "placeholder":
+                continue
+            forward_set.add(n)
+            work.extend(n.all_input_nodes)
+
+    close(list(seeds))
+    # A read of a value that forward later writes in place must run before
+    # the write, so in forward too: autograd's copy of an in-place op's
+    # original input (`a /= a.sum()` saves a clone of `a`) is read only by
+    # backward, but it copies the value as it was before the write.
+    order = {n: i for i, n in enumerate(fx_nodes)}
+    while True:
+        last_write: dict[int, int] = {}
+        for n in forward_set:
+            for i in _mutated_indices(n):
+                key = _storage_key(n.args[i])
+                if key != -1:
+                    last_write[key] = max(last_write.get(key, -1), order[n])
+        early = [n for n in calls if n not in forward_set and n not in depends_on_tangent
+                 and any(last_write.get(_storage_key(a), -2) > order[n] for a in n.all_input_nodes)]
+        if not early:
+            break
+        close(early)
 
     # Names: module path + op; backward nodes: "d." + the module of the
     # forward values they read.
@@ -466,11 +577,16 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     # Keep graph order within each phase; forward first.
     nodes.sort(key=lambda nd: 0 if nd.phase == FORWARD else 1)
     header = Header(model=model_name, device=_device_of(params, buffers, inputs), output_spec=pytree.treespec_dumps(spec),
-                    has_loss=has_loss)
+                    has_loss=has_loss, guards=list(guards))
     program = Program(header=header, values=values, nodes=nodes, forward=[], backward=[], outputs=outputs)
     header.fingerprint = fingerprint(program)
     program.forward, program.backward = default_schedule(program)
     return program
+
+
+def _storage_key(n) -> int:
+    val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else -1
 
 
 def _constant_as_full(gm, n) -> None:
