@@ -8,8 +8,9 @@ time it is called in training mode, from that call's own arguments: it traces
 the step (under fake tensors: nothing is allocated), looks the plan up in the
 plan cache, and only on a miss runs the optimizer and stores the plan there.
 A call with other shapes (a smaller last batch, another sequence length) or
-other arguments gets a plan of its own the same way; the last `max_plans`
-are kept in memory.
+other arguments gets a plan of its own the same way, as does a call under
+another `torch.autocast` (the forward is traced under the caller's, as eager
+runs it; backward outside it); the last `max_plans` are kept in memory.
 
 The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
 `remat-ir` under the user's cache directory (`$XDG_CACHE_HOME` or
@@ -149,10 +150,10 @@ class AutoRemat(WrappedModule):
                          for n, t in zip(call.names, call.tensors))
         budget = "no budget" if o["budget"] is None else f"budget {o['budget']} ({o['scope']})"
         with _Progress(f"remat-ir: planning {type(self.module).__name__} for {what or 'no tensors'}, "
-                       f"{budget}") as progress:
+                       f"{budget}{', autocast ' + call.autocast if call.autocast else ''}") as progress:
             args, kwargs = call.rebuild(call.tensors)
             program = pipeline.trace(self.module, args, kwargs, loss=self.loss_fn, optimizer=o["optimizer"],
-                                     cost=o["cost"])
+                                     cost=o["cost"], autocast=call.autocast)
             path = cached = None
             if self.cache_plans:
                 path = cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"

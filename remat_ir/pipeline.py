@@ -106,7 +106,8 @@ def _check_optimizer_args(solver: str, effort: str) -> None:
 
 def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
           name: str | None = None, optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
-          profile_repeats: int = 5, stats: CompileStats | None = None, device: str | None = None) -> Program:
+          profile_repeats: int = 5, stats: CompileStats | None = None, device: str | None = None,
+          autocast: str | None = None) -> Program:
     """One training step of `model(*args, **kwargs)`, traced into an unoptimized
     Program whose header is complete (device, optimizer state, comment).
     `name` is the header's model name (default: the module's class name).
@@ -114,7 +115,13 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     each op is timed on the model's device (`profile_repeats` runs, the
     median) and the optimizer minimizes recomputed time instead of FLOPs.
     `device`: the device type the plan is for (default: where the model's
-    parameters and inputs are); see `remat_ir.trace.tracer.trace_module`."""
+    parameters and inputs are); see `remat_ir.trace.tracer.trace_module`.
+    `autocast`: the `torch.autocast` the forward and loss are traced under,
+    "cpu:bfloat16" ("" for none); None: the one in effect where `trace` is
+    called, for the step's device type, as the call would run there, so
+    `with torch.autocast("cpu", dtype=torch.bfloat16): compile(model, args)`
+    makes the plan a call in that block runs.  The plan runs only under the
+    same autocast (its header's `autocast` line)."""
     import torch
 
     from remat_ir.check.simulate import optimizer_state_bytes
@@ -142,7 +149,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
 
     with _Clock(stats, "trace"):
         program = trace_module(model, args, kwargs=kwargs, loss_fn=loss, model_name=name, fake=fake,
-                               device=device)
+                               device=device, autocast=autocast)
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
         program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it
@@ -151,9 +158,9 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     if cost == COST_PROFILE:
         from remat_ir.runtime.profile import profile_costs
 
-        from remat_ir.trace.calls import split_call
+        from remat_ir.trace.calls import autocast_off, split_call
 
-        with _Clock(stats, "profile"):
+        with _Clock(stats, "profile"), autocast_off():  # the plan's ops carry their casts
             program = profile_costs(program, model, split_call(model, args, kwargs).tensors,
                                     repeats=profile_repeats)
         program.header.comment.append(f"op costs: median of {profile_repeats} timed runs on "
@@ -251,9 +258,13 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
             name: str | None = None, budget=None, scope: str = DEFAULT_SCOPE, optimizer: str = "none",
             fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5, time_limit: float = TIME_LIMIT,
             solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-            device: str | None = None, exact: bool = False) -> Program:
+            device: str | None = None, exact: bool = False, autocast: str | None = None) -> Program:
     """Trace one training step of `model(*args, **kwargs)` and plan it for `budget`
     (None: the unoptimized plan); the plan returned verifies.
+
+    `autocast` ("cpu:bfloat16", "" for none): the `torch.autocast` the step
+    is traced under; by default the one in effect where `compile` is called
+    (see `trace`).
 
     `optimizer` ("none", "sgd", "adam"): whose state the prediction and a
     total budget include.  `effort` (graphs over 192 decisions, which are
@@ -265,7 +276,7 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     if budget is not None:
         _check_optimizer_args(solver, effort)  # before the trace, which can take minutes
     program = trace(model, args, kwargs, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
-                    profile_repeats=profile_repeats, stats=stats, device=device)
+                    profile_repeats=profile_repeats, stats=stats, device=device, autocast=autocast)
     return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats,
                exact=exact)
 

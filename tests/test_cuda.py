@@ -102,7 +102,7 @@ def test_plan_made_on_cpu_is_the_cuda_trace():
     assert _first_difference(plan, fresh) == ("", 0)
 
 
-def test_outer_autocast_is_refused_on_cuda():
+def test_outer_autocast_other_than_the_plans_is_refused_on_cuda():
     from remat_ir.runtime.bind import PlanMismatch
     from remat_ir.runtime.interpret import wrap
     from remat_ir.runtime.load import load_model
@@ -110,8 +110,32 @@ def test_outer_autocast_is_refused_on_cuda():
 
     m = load_model("mlp", device="cuda")
     w = wrap(m.module, trace_module(m.module, m.inputs, loss_fn=m.loss, fake=True, device="cuda"), loss=m.loss)
-    with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(PlanMismatch, match="trace under autocast"):
+    with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(
+            PlanMismatch, match="but the plan was made under no autocast"):
         w(*m.inputs)
+
+
+def test_a_step_under_cuda_autocast_trains_as_eager():
+    import copy
+
+    import remat_ir
+    from remat_ir.runtime.load import load_model
+
+    m = load_model("mlp", device="cuda")
+    eager = copy.deepcopy(m.module)
+    w = remat_ir.wrap(m.module, loss=m.loss, cache=False)  # no budget: the unoptimized plan, traced at the first call
+    for model in (w, eager):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i in range(3):
+            torch.manual_seed(i)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(*m.inputs)
+                loss = out if model is w or m.loss is None else m.loss(out, *m.inputs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(m.module.parameters(), eager.parameters()))
+    assert [r.program.header.autocast for r in w.plans.values()] == ["cuda:bfloat16"]
 
 
 def test_profile_on_cuda_keeps_the_rng_stream():

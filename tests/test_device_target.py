@@ -1,7 +1,7 @@
 """Plans traced for the device they run on, checked on CPU: a CUDA plan made
 on a CPU-only build is device-neutral (CUDA's dropout, SDPA's math backend,
 no CPU-only or unproven fused ops); retargeting and wrapping refuse CPU-only
-ops; an outer autocast is refused; profiling leaves the RNG stream alone."""
+ops; a plan runs only under the autocast it was traced under; profiling leaves the RNG stream alone."""
 from __future__ import annotations
 
 import textwrap
@@ -153,12 +153,13 @@ def test_wrap_refuses_a_cuda_plan_holding_cpu_only_ops():
         wrap(m.module, p, loss=m.loss, check_model=False)
 
 
-def test_outer_autocast_is_refused():
+def test_outer_autocast_other_than_the_plans_is_refused():
     m = load_model("mlp")
     p = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name="mlp")
     w = wrap(m.module, p, loss=m.loss)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(PlanMismatch, match="trace under autocast: put `with torch.autocast"):
+        with pytest.raises(PlanMismatch, match=r"the step runs under torch.autocast\('cpu', dtype=torch.bfloat16\) "
+                                               "but the plan was made under no autocast"):
             w(*m.inputs)
         with torch.no_grad():
             w(*m.inputs)  # evaluation runs the model eagerly: autocast is the caller's business

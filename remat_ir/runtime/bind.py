@@ -90,16 +90,18 @@ def check_device(program: Program) -> None:
                            f"--device {program.header.device} on one that has it")
 
 
-def check_autocast(program: Program, device: torch.device) -> None:
-    """Refuse a training step under an outer `torch.autocast`: the plan runs
-    the ops and dtypes it was traced with, and autocast would recast them in
-    forward only (backward then meets mismatched dtypes)."""
-    if torch.is_autocast_enabled(device.type):
-        raise PlanMismatch(
-            f"the step runs under torch.autocast({device.type!r}), which the plan was not traced under; "
-            "to train in mixed precision, trace under autocast: put `with torch.autocast(...)` inside the "
-            "model's forward (or a wrapper module's forward), compile the plan for that module, and call "
-            "the wrapped module without an outer autocast")
+def autocast_differs(plan_autocast: str, call_autocast: str) -> str:
+    """How the autocast a step runs under (`call_autocast`, "cpu:bfloat16" or
+    "" for none) differs from the one its plan was traced under, naming both;
+    "" when it does not.  The plan's ops carry autocast's casts already (the
+    runner switches autocast off while they run), so only the same autocast
+    gives eager's dtypes."""
+    from remat_ir.trace.calls import describe_autocast
+
+    if plan_autocast == call_autocast:
+        return ""
+    return (f"the step runs under {describe_autocast(call_autocast)} but the plan was made under "
+            f"{describe_autocast(plan_autocast)}")
 
 
 def constants_differ(constants: list[str], call) -> str:
@@ -155,7 +157,8 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
                            "unchanged, skip this check with wrap(..., check_model=False)") from e
     was_training = model.training
     try:
-        fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, model_name=program.header.model,
+        fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, autocast=program.header.autocast,
+                             model_name=program.header.model,
                              fake=True, neutral=is_neutral(program))
     except TraceError as e:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e

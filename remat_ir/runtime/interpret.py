@@ -25,9 +25,9 @@ from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops 
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
-    PlanMismatch, check_autocast, check_device, check_graph, check_parameters, check_sound, constants_differ,
+    PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
 )
-from remat_ir.trace.calls import split_call
+from remat_ir.trace.calls import autocast_off, split_call
 
 
 # ------------------------------------------------------------------ codegen
@@ -194,7 +194,10 @@ class _State:
             self.set_rng = torch.set_rng_state
 
     def run(self, fn):
-        return fn(self.env, self.rng, self.exe.consts, self.get_rng, self.set_rng)
+        # The plan's ops carry the casts of the autocast it was traced under:
+        # an outer autocast must not cast them again.
+        with autocast_off((self.device.type,)):
+            return fn(self.env, self.rng, self.exe.consts, self.get_rng, self.set_rng)
 
 
 def _token(device) -> torch.Tensor:
@@ -325,7 +328,8 @@ class PlanRunner:
             if list(x.shape) != v.shape or str(x.dtype) != "torch." + v.dtype:
                 return (f"input {name}: the plan was compiled for {v.dtype}{v.shape}, got "
                         f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
-        return constants_differ(self.program.header.constants, call)
+        return (constants_differ(self.program.header.constants, call)
+                or autocast_differs(self.program.header.autocast, call.autocast))
 
     def run(self, model: torch.nn.Module, call):
         """One training step of `model` on `call`, by the plan."""
@@ -349,7 +353,6 @@ class PlanRunner:
         if torch.device(want).type != device.type:
             raise PlanMismatch(f"the plan was compiled for device {want}, but the step runs on {device}; "
                                f"recompile with --device {device.type}")
-        check_autocast(self.program, device)
         for v in exe.buffers:
             by_name[v.name] = model.get_buffer(v.source)
         for v, name in zip(exe.inputs, self.input_names):

@@ -22,10 +22,15 @@ Anything else is written `<TypeName repr>` (`<dtype torch.float16>`), or
 `<TypeName object>` when its repr is long or holds an address: such a
 constant cannot be built again from the plan, and calls are told apart by
 that text alone.
+
+A call also runs under the caller's `torch.autocast` for its device type (as
+eager would run it there), written `cpu:bfloat16` ("" for none): a plan
+traced under one runs only under the same (`autocast_state`).
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import math
 import re
@@ -34,7 +39,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Call", "CallError", "constant_text", "constants_map", "read_constant", "rebuildable", "split_call"]
+__all__ = ["Call", "CallError", "autocast_off", "autocast_state", "constant_text", "constants_map",
+           "describe_autocast", "parse_autocast", "read_constant", "rebuildable", "split_call"]
 
 
 class CallError(TypeError):
@@ -53,15 +59,18 @@ class Call:
     the constants to rebuild the call from other tensors of the same names.
     `constants`: the constants the call passes, each "name=literal" (see the
     module's docstring), as a plan's header lists them; `defaults`: name ->
-    literal of the forward's defaults (passed or not)."""
+    literal of the forward's defaults (passed or not); `autocast`: the
+    `torch.autocast` the call runs under, "cpu:bfloat16" ("" for none)."""
 
     def __init__(self, leaves: list, spec, tensor_at: list[int], names: list[str],
-                 constants: list[str] | None = None, defaults: dict[str, str] | None = None):
+                 constants: list[str] | None = None, defaults: dict[str, str] | None = None,
+                 autocast: str = ""):
         self._leaves, self._spec, self._tensor_at = leaves, spec, tensor_at
         self.names = names
         self.tensors = [leaves[i] for i in tensor_at]
         self.constants = list(constants or [])
         self.defaults = dict(defaults or {})
+        self.autocast = autocast
 
     def rebuild(self, tensors) -> tuple[tuple, dict]:
         """(args, kwargs) of this call with `tensors` in place of its own."""
@@ -73,20 +82,23 @@ class Call:
 
     def structure(self) -> str:
         """The call without its tensors' data: argument structure, constants,
-        and each tensor's name, dtype, shape, strides, device type and
-        requires_grad.  Two calls with the same structure run the same plan."""
+        each tensor's name, dtype, shape, strides, device type and
+        requires_grad, and the autocast it runs under.  Two calls with the
+        same structure run the same plan."""
         parts = [str(self._spec)]
         for name, t in zip(self.names, self.tensors):
             parts.append(f"{name}:{str(t.dtype).removeprefix('torch.')}{list(t.shape)}/{list(t.stride())}"
                          f"@{t.device.type}{'+grad' if t.requires_grad else ''}")
         tensor_at = set(self._tensor_at)
         consts = [repr(x) for i, x in enumerate(self._leaves) if i not in tensor_at]
-        return "|".join(parts + consts)
+        return "|".join(parts + consts + ([f"autocast={self.autocast}"] if self.autocast else []))
 
 
 def split_call(module: torch.nn.Module, args=(), kwargs: dict | None = None) -> Call:
-    """`module(*args, **kwargs)` split into its tensors and the rest.  Raises
-    CallError when the forward's signature cannot take these arguments."""
+    """`module(*args, **kwargs)` split into its tensors and the rest, with
+    the autocast in effect here for the step's device type (its tensors',
+    else the module's parameters').  Raises CallError when the forward's
+    signature cannot take these arguments."""
     if not isinstance(args, (tuple, list)):
         args = (args,)
     args, kwargs = tuple(args), dict(kwargs or {})
@@ -94,7 +106,10 @@ def split_call(module: torch.nn.Module, args=(), kwargs: dict | None = None) -> 
     tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     s_args, s_kwargs = pytree.tree_unflatten([_Slot(i) for i in range(len(leaves))], spec)
     names, constants, defaults = _names(module, s_args, s_kwargs, leaves)
-    return Call(leaves, spec, tensor_at, [names[i] for i in tensor_at], constants, defaults)
+    device = leaves[tensor_at[0]].device.type if tensor_at else next(
+        (t.device.type for t in module.parameters()), "cpu")
+    return Call(leaves, spec, tensor_at, [names[i] for i in tensor_at], constants, defaults,
+                autocast_state(device))
 
 
 def _names(module, args, kwargs, leaves) -> tuple[dict[int, str], list[str], dict[str, str]]:
@@ -255,3 +270,47 @@ def read_constant(text: str):
 def constants_map(constants: list[str]) -> dict[str, str]:
     """Name -> literal, of constants written "name=literal"."""
     return dict(c.partition("=")[::2] for c in constants)
+
+
+# ------------------------------------------------------------------ autocast
+
+
+def autocast_state(device_type: str) -> str:
+    """The `torch.autocast` in effect here for `device_type`, as a plan's
+    header writes it ("cpu:bfloat16"), or "" when none is."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return ""
+        dtype = torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+        return ""
+    return f"{device_type}:{str(dtype).removeprefix('torch.')}"
+
+
+def parse_autocast(text: str) -> tuple[str, torch.dtype]:
+    """(device type, dtype) of an autocast written "cpu:bfloat16".  Raises
+    ValueError for one that is not so written."""
+    device_type, _, name = text.partition(":")
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not device_type or not isinstance(dtype, torch.dtype):
+        raise ValueError(f"autocast {text!r}: write it as the device type and the dtype, "
+                         "cpu:bfloat16 or cuda:float16")
+    return device_type, dtype
+
+
+def describe_autocast(text: str) -> str:
+    """An autocast as a person reads it: "torch.autocast('cpu', dtype=torch.bfloat16)", or "no autocast"."""
+    if not text:
+        return "no autocast"
+    device_type, _, name = text.partition(":")
+    return f"torch.autocast({device_type!r}, dtype=torch.{name})"
+
+
+@contextlib.contextmanager
+def autocast_off(device_types=("cpu", "cuda")):
+    """Every autocast in effect for `device_types` switched off within the block."""
+    with contextlib.ExitStack() as stack:
+        for d in device_types:
+            if torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        yield
