@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remat_ir.runtime.interpret import WrappedModule, eager_step, runs_plan
+from remat_ir.runtime.interpret import WrappedModule, eager_step, opaque_to_dynamo, runs_plan
 from remat_ir.trace.calls import split_call
 
 __all__ = ["FSDPRemat", "StepPrediction", "fsdp_units", "planned_units", "predict_step_peak", "state_bytes",
@@ -145,6 +145,10 @@ class _UnitForward:
     def __call__(self, *args, **kwargs):
         if not runs_plan(self.unit):
             return self.eager(*args, **kwargs)
+        return self._planned_step(args, kwargs)
+
+    @opaque_to_dynamo  # (a unit compiled on its own, `block.compile()`: see WrappedModule)
+    def _planned_step(self, args, kwargs):
         return self.auto.step(split_call(self.twin, args, kwargs))
 
 

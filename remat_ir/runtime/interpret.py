@@ -260,6 +260,17 @@ class _Segment(torch.autograd.Function):
 # ------------------------------------------------------------------ wrapper
 
 
+# A training step by a plan is one opaque region to torch.compile: dynamo
+# must neither run the planning (tracing under fake tensors inside dynamo's
+# own tracing, the optimizer's C extensions) nor trace the plan's generated
+# code and autograd pieces; it compiles what is around the wrapper, and the
+# model's eager (eval, no_grad) calls.  torch.compiler.disable would import
+# dynamo when this module is imported (over a second); torch's own lazy form
+# imports it at the first call, and dynamo skips it (torch._compile is in its
+# skip list), running the step with dynamo off throughout.
+opaque_to_dynamo = getattr(torch, "_disable_dynamo", None) or (lambda fn: torch.compiler.disable(fn))
+
+
 def eager_step(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict):
     """What the step is without a plan: the model, then the loss if any."""
     out = model(*args, **kwargs)
@@ -395,6 +406,10 @@ class WrappedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if not runs_plan(self.module):
             return eager_step(self.module, self.loss_fn, args, kwargs)
+        return self._planned_step(args, kwargs)
+
+    @opaque_to_dynamo
+    def _planned_step(self, args, kwargs):
         return self.step(split_call(self.module, args, kwargs))
 
     def __getattr__(self, name: str):
