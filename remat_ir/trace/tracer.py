@@ -67,6 +67,11 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     the autocast block; None: the autocast in effect where this is called,
     for the step's device type.  No other autocast is on during the trace.
 
+    `torch.utils.checkpoint` calls in the model (transformers'
+    `gradient_checkpointing_enable()`) run their function directly while it
+    is traced (`remat_ir.trace.checkpoint`): the plan's own recomputation
+    takes their place, with eager's values.
+
     What the model's code reads of its inputs' values (`torch.all(mask == 1)`)
     is answered from the call's real tensors and recorded in the header's
     guards, and tracing probes answer as in eager (`remat_ir.trace.guards`);
@@ -74,6 +79,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     instead (a plan's own, to check a model against it).
     """
     from remat_ir.trace.calls import CallError, autocast_off, split_call
+    from remat_ir.trace.checkpoint import inline_checkpoints
 
     try:
         call = split_call(module, example_inputs, kwargs)
@@ -84,7 +90,8 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     was_training = module.training
     module.train()
     try:
-        with torch.random.fork_rng(devices=[]), autocast_off():
+        # Checkpointed layers are traced as plain code: the plan decides what is recomputed.
+        with torch.random.fork_rng(devices=[]), autocast_off(), inline_checkpoints():
             return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral, guards)
     finally:
         module.train(was_training)
