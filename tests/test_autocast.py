@@ -174,3 +174,23 @@ def test_trainer_bf16_trains_the_wrapped_model_as_the_model(tmp_path, monkeypatc
     assert _same(model, eager)
     assert not _same(model, _llama(transformers))  # it trained
     assert [r.program.header.autocast for r in wrapper.plans.values()] == ["cpu:bfloat16"]
+
+
+def test_remat_compile_autocast_and_remat_run(tmp_path, capsys):
+    import json
+
+    from remat_ir.cli.commands import compile_main, run_main
+
+    out = tmp_path / "mlp_bf16.rir"
+    assert compile_main(["mlp", "-o", str(out), "--autocast", "cpu:bfloat16", "--quiet"]) == 0
+    assert "autocast cpu:bfloat16" in out.read_text()
+    capsys.readouterr()
+    # remat-run runs the step (eager's and the plan's) under the plan's autocast.
+    assert run_main([str(out), "mlp", "--steps", "2", "--check", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["grads_bitwise"] is True and data["loss_bitwise"] is True
+    assert data["memory_within_tolerance"] is True
+    for bad, said in (("cpu:bfloat", "write it as the device type and the dtype"),
+                      ("cuda:float16", "is for cuda, but the model is built on --device cpu")):
+        assert compile_main(["mlp", "-o", str(tmp_path / "x.rir"), "--autocast", bad]) == 2
+        assert said in capsys.readouterr().err

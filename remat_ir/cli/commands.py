@@ -46,6 +46,10 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="where to build the model; the plan is for the device it is built on")
     p.add_argument("--optimizer", default="none", choices=["none", "sgd", "adam"],
                    help="optimizer whose state the prediction and the total budget include")
+    p.add_argument("--autocast", metavar="DEVICE:DTYPE",
+                   help="trace the forward and loss under torch.autocast (cpu:bfloat16, cuda:float16), as "
+                        "mixed-precision training calls the model; the plan then runs only under it "
+                        "(remat-run runs it so)")
     p.add_argument("--budget", help="memory budget: bytes, 1.5GiB, 800MB, a fraction (0.5) of the "
                                     "unoptimized peak in --scope, or floor (the smallest peak reachable)")
     p.add_argument("--scope", default=DEFAULT_SCOPE, choices=SCOPES,
@@ -122,6 +126,16 @@ def _compile(argv) -> int:
                        "to run on: drop --fake, or use --cost flops")
     if args.profile_repeats < 1:
         raise CliError(f"--profile-repeats must be at least 1, not {args.profile_repeats}")
+    if args.autocast is not None:
+        from remat_ir.trace.calls import parse_autocast
+
+        try:
+            autocast_device, _ = parse_autocast(args.autocast)
+        except ValueError as e:
+            raise CliError(f"--autocast: {e}") from None
+        if autocast_device != args.device:
+            raise CliError(f"--autocast {args.autocast} is for {autocast_device}, but the model is built on "
+                           f"--device {args.device}")
     pareto = args.pareto or args.pareto_points is not None or args.pareto_png is not None
     points = _PARETO_POINTS if args.pareto_points is None else args.pareto_points
     if pareto and points < 2:
@@ -140,7 +154,7 @@ def _compile(argv) -> int:
     t_load = time.perf_counter() - t0
     stats = CompileStats()
     step = dict(loss=model.loss, name=model.name, optimizer=args.optimizer, fake=args.fake, cost=args.cost,
-                profile_repeats=args.profile_repeats)
+                profile_repeats=args.profile_repeats, autocast=args.autocast or "")
     solve = dict(scope=args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
     rows = None
     exact = dict(exact=args.exact)

@@ -7,6 +7,7 @@ parameters, buffers, inputs, optimizer state and, after the first step, `.grad`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
@@ -183,6 +184,17 @@ def _scalar_step(program: Program) -> None:
                            f"or loss(output, *inputs), returns a scalar loss")
 
 
+def _autocast(program: Program):
+    """The `torch.autocast` a step of `program` runs its forward (and loss)
+    under: the one it was traced under (its header's), none when it has none."""
+    if not program.header.autocast:
+        return contextlib.nullcontext()
+    from remat_ir.trace.calls import parse_autocast
+
+    device_type, dtype = parse_autocast(program.header.autocast)
+    return torch.autocast(device_type, dtype=dtype)
+
+
 def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: str = "cpu",
              check: bool = False, seed: int = 0, check_model: bool = True) -> RunReport:
     _scalar_step(program)
@@ -195,13 +207,15 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
     eager_module = eager_inputs = None  # made after the measurement, which they would be part of on CUDA
 
     def eager_step():
-        out = eager_module(*eager_inputs)
-        loss = loss_fn(out, *eager_inputs) if loss_fn is not None else out
+        with _autocast(program):
+            out = eager_module(*eager_inputs)
+            loss = loss_fn(out, *eager_inputs) if loss_fn is not None else out
         loss.backward()
         return loss.detach()
 
     def plan_step():
-        loss = wrapped(*inputs)
+        with _autocast(program):
+            loss = wrapped(*inputs)
         loss.backward()
         return loss.detach()
 
@@ -289,11 +303,13 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
                 elif mode == 2 and x.grad is not None:
                     x.grad.zero_()
         torch.manual_seed(seed + step)
-        e = eager(*eager_inputs)
-        e = loss_fn(e, *eager_inputs) if loss_fn is not None else e
+        with _autocast(program):  # forward (and loss) as the plan was traced; backward outside
+            e = eager(*eager_inputs)
+            e = loss_fn(e, *eager_inputs) if loss_fn is not None else e
         e.backward()
         torch.manual_seed(seed + step)
-        p = planned(*plan_inputs)
+        with _autocast(program):
+            p = planned(*plan_inputs)
         p.backward()
         worst, worst_rel, diff, grad_rel, equal, close = "", 0.0, 0.0, 0.0, True, True
 
