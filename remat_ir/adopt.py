@@ -11,6 +11,12 @@ A call with other shapes (a smaller last batch, another sequence length) or
 other arguments gets a plan of its own the same way, as does a call under
 another `torch.autocast` (the forward is traced under the caller's, as eager
 runs it; backward outside it); the last `max_plans` are kept in memory.
+The step is traced with each module in the mode it is in (a dropout put in
+eval() alone is off, as in eager).  A model changed since its plans were
+made, in what `remat_ir.runtime.bind.ModelGuard` checks at each training
+step (a submodule replaced, a parameter or buffer object replaced,
+requires_grad or a submodule's mode changed), drops them and is planned
+again.
 
 The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
 `remat-ir` under the user's cache directory (`$XDG_CACHE_HOME` or
@@ -39,6 +45,7 @@ from pathlib import Path
 import torch
 
 from remat_ir.ir.types import DEFAULT_SCOPE
+from remat_ir.runtime.bind import ModelGuard
 from remat_ir.runtime.interpret import PlanRunner, WrappedModule
 
 __all__ = ["AutoRemat", "cache_dir", "wrap"]
@@ -127,10 +134,21 @@ class AutoRemat(WrappedModule):
         self.plans: OrderedDict[str, PlanRunner] = OrderedDict()
 
     def step(self, call):
+        guard = self.__dict__.get("_model_guard")
+        if self.plans and guard is not None:
+            changed = guard.changes(self.module)
+            if changed:
+                # The plans were made from the model as it was: plan it as it is now.
+                more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+                print(f"remat-ir: {'; '.join(changed[:3])}{more} since the plans for "
+                      f"{type(self.module).__name__} were made: planning it again", file=sys.stderr)
+                self.plans.clear()
         key = call.structure()
         runner = self.plans.get(key)
         if runner is None:
             runner = self._plan(call)
+            if not self.plans or guard is None:
+                self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
             self.plans[key] = runner
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
@@ -153,7 +171,7 @@ class AutoRemat(WrappedModule):
                        f"{budget}{', autocast ' + call.autocast if call.autocast else ''}") as progress:
             args, kwargs = call.rebuild(call.tensors)
             program = pipeline.trace(self.module, args, kwargs, loss=self.loss_fn, optimizer=o["optimizer"],
-                                     cost=o["cost"], autocast=call.autocast)
+                                     cost=o["cost"], autocast=call.autocast, as_called=True)
             path = cached = None
             if self.cache_plans:
                 path = cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"

@@ -107,7 +107,7 @@ def _check_optimizer_args(solver: str, effort: str) -> None:
 def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
           name: str | None = None, optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
           profile_repeats: int = 5, stats: CompileStats | None = None, device: str | None = None,
-          autocast: str | None = None) -> Program:
+          autocast: str | None = None, as_called: bool = False) -> Program:
     """One training step of `model(*args, **kwargs)`, traced into an unoptimized
     Program whose header is complete (device, optimizer state, comment).
     `name` is the header's model name (default: the module's class name).
@@ -115,8 +115,9 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     each op is timed on the model's device (`profile_repeats` runs, the
     median) and the optimizer minimizes recomputed time instead of FLOPs.
     `device`: the device type the plan is for (default: where the model's
-    parameters and inputs are); see `remat_ir.trace.tracer.trace_module`.
-    `autocast`: the `torch.autocast` the forward and loss are traced under,
+    parameters and inputs are); see `remat_ir.trace.tracer.trace_module`, as
+    for `as_called` (each module traced in the mode it is in, not all in
+    train mode).  `autocast`: the `torch.autocast` the forward and loss are traced under,
     "cpu:bfloat16" ("" for none); None: the one in effect where `trace` is
     called, for the step's device type, as the call would run there, so
     `with torch.autocast("cpu", dtype=torch.bfloat16): compile(model, args)`
@@ -149,7 +150,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
 
     with _Clock(stats, "trace"):
         program = trace_module(model, args, kwargs=kwargs, loss_fn=loss, model_name=name, fake=fake,
-                               device=device, autocast=autocast)
+                               device=device, autocast=autocast, as_called=as_called)
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
         program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it

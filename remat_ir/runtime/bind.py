@@ -13,6 +13,13 @@ before a plan runs, three checks, cheapest first:
 * `check_graph`: the model, traced again under FakeTensorMode (nothing is
   allocated) with the plan's input shapes, produces the plan's graph section
   op for op; the first op that differs is named with its module path.
+
+Then, at each training step, `ModelGuard` notices the changes that leave
+every parameter's shape and dtype as they were but not the graph: a
+submodule replaced (`model.act = nn.Tanh()`), a parameter or buffer object
+replaced, `requires_grad` flipped, a submodule put in eval() or train() on
+its own.  A plan wrap refuses such a model, naming the change; a budget
+wrap plans it again.
 """
 from __future__ import annotations
 
@@ -155,15 +162,12 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     except CallError as e:
         raise PlanMismatch(f"cannot check the model against the plan: {e}; for a model you know is "
                            "unchanged, skip this check with wrap(..., check_model=False)") from e
-    was_training = model.training
     try:
         fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, autocast=program.header.autocast,
                              model_name=program.header.model,
                              fake=True, neutral=is_neutral(program))
     except TraceError as e:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
-    finally:
-        model.train(was_training)
     if program.header.rewrites:
         from remat_ir.rewrite import NotApplicable, apply
 
@@ -238,3 +242,166 @@ def _first_difference(plan: Program, fresh: Program) -> tuple[str, int]:
     if [(o.kind, o.key, o.value) for o in plan.outputs] != [(o.kind, o.key, o.value) for o in fresh.outputs]:
         return "the step's outputs changed", 0
     return "", 0
+
+
+# ------------------------------------------------------------ per-step guard
+
+
+class ModelGuard:
+    """What a bound plan depends on that can change after binding without a
+    parameter's shape or dtype changing: the module tree (each submodule's
+    name, object and class), each parameter and buffer object, each
+    parameter's `requires_grad` and each module's `training` flag.
+
+    `ModelGuard(model)` is taken when a plan is made or bound; `changes(model)`,
+    at each training step, lists what differs since, in words ([] when
+    nothing does).  The check compares the ids of the objects and a list of
+    the flags with what was taken: about 55 us on gpt2-tiny, under 0.1% of
+    its training step (`python tools/bench_overhead.py --model gpt2-tiny`); only when they
+    differ is the model walked by name to say what changed.  Objects are held weakly (a replaced parameter is not kept
+    alive); one that dies marks the guard changed, so an id reused by a new
+    object is not mistaken for the old one.  Pickled, a guard keeps the flags
+    and takes the objects afresh at its first check after loading.
+
+    The flags are the ones of a training step: a model in eval mode when the
+    guard is taken is looked at as `model.train()` would put it (as a plan's
+    trace puts it), and its modes are left as they were."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._take(model)
+
+    def _take(self, model: torch.nn.Module) -> None:
+        import weakref
+
+        with _train_mode(model):
+            objects, self.facts = _scan(model)
+            self.names = _by_name(model, weak=True)
+        self.ids = list(map(id, objects))
+        self.dead = False
+        died = self._died  # (a bound method: the refs' callbacks keep no other state)
+        self._refs = [weakref.ref(o, died) for o in objects if o is not None]
+
+    def _died(self, _ref) -> None:
+        self.dead = True
+
+    def changes(self, model: torch.nn.Module) -> list[str]:
+        """What changed in `model` since the guard was taken, in words."""
+        if not self.dead:
+            objects, facts = _scan(model)
+            if facts == self.facts:
+                if self.ids is None:  # unpickled: the flags are the same; take the objects now
+                    self._take(model)
+                    return []
+                if list(map(id, objects)) == self.ids:
+                    return []
+        return _differences(self.names, _by_name(model, weak=False)) or [
+            "the order of its submodules, parameters or buffers changed, or one was replaced and freed"]
+
+    def __getstate__(self):
+        names = {k: {n: (None, *rest) for n, (_, *rest) in d.items()} for k, d in self.names.items()}
+        return {"facts": self.facts, "names": names, "ids": None, "dead": False}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._refs = []
+
+
+def _scan(model: torch.nn.Module) -> tuple[list, list]:
+    """The objects of the model's tree (modules, parameters, buffers, in a
+    fixed order) and its facts (names, classes, flags), as two flat lists."""
+    objects, facts = [model], []
+    todo, seen = [model], {id(model)}
+    for m in todo:  # (grows as it goes: breadth first)
+        facts.append(type(m))
+        facts.append(m.training)
+        for k, p in m._parameters.items():
+            objects.append(p)
+            facts.append(k)
+            facts.append(p is not None and p.requires_grad)
+        for k, b in m._buffers.items():
+            objects.append(b)
+            facts.append(k)
+        for k, c in m._modules.items():
+            objects.append(c)
+            facts.append(k)
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+    return objects, facts
+
+
+def _by_name(model: torch.nn.Module, weak: bool) -> dict:
+    """Each submodule, parameter and buffer by name, with what the guard
+    compares (the object, or a weak reference to it, first)."""
+    import weakref
+
+    ref = weakref.ref if weak else (lambda o: o)
+    return {"module": {n: (ref(m), type(m), m.training) for n, m in model.named_modules(remove_duplicate=False)},
+            "parameter": {n: (ref(p), p.requires_grad, _type(p))
+                          for n, p in model.named_parameters(remove_duplicate=False)},
+            "buffer": {n: (ref(b), _type(b)) for n, b in model.named_buffers(remove_duplicate=False)}}
+
+
+def _type(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _differences(then: dict, now: dict) -> list[str]:
+    """What differs between two `_by_name` maps (`then` weak), in words: a
+    replaced or removed submodule stands for everything under it."""
+    out: list[str] = []
+    gone: list[str] = []  # submodules replaced or removed: nothing under them is listed again
+
+    def under(name: str) -> bool:
+        return any(name.startswith(g + ".") for g in gone)
+
+    for name, (ref, cls, training) in then["module"].items():
+        if under(name):
+            continue
+        what = f"submodule {name}" if name else "the model"
+        m = now["module"].get(name)
+        if m is None:
+            out.append(f"{what} ({cls.__name__}) was removed")
+            gone.append(name)
+        elif type(m[0]) is not cls:
+            out.append(f"{what} changed from {cls.__name__} to {type(m[0]).__name__}")
+            gone.append(name)
+        elif ref is not None and ref() is not m[0]:
+            out.append(f"{what} was replaced by another {cls.__name__}")
+            gone.append(name)
+        elif m[2] != training:
+            out.append(f"{what} was put in {'train' if m[2] else 'eval'} mode")
+    out += [f"submodule {n} ({type(m).__name__}) was added" for n, (m, _, _) in now["module"].items()
+            if n not in then["module"] and not under(n)]
+    for kind in ("parameter", "buffer"):
+        for name, (ref, *facts) in then[kind].items():
+            if under(name):
+                continue
+            t = now[kind].get(name)
+            if t is None:
+                out.append(f"{kind} {name} was removed")
+            elif ref is not None and ref() is not t[0]:
+                other = "Parameter" if kind == "parameter" else "tensor"
+                was = facts[-1]
+                out.append(f"{kind} {name} was replaced by another {other}"
+                           + ("" if t[-1] == was else f" ({t[-1]}, was {was})"))
+            elif kind == "parameter" and t[1] != facts[0]:
+                out.append(f"parameter {name}: requires_grad changed from {facts[0]} to {t[1]}")
+        out += [f"{kind} {n} was added" for n in now[kind] if n not in then[kind] and not under(n)]
+    return out
+
+
+@contextlib.contextmanager
+def _train_mode(model: torch.nn.Module):
+    """`model` as a training step sees it: put in train mode if it is not,
+    every module's mode restored after."""
+    if model.training:
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -149,6 +149,7 @@ class _UnitForward:
 
     @opaque_to_dynamo  # (a unit compiled on its own, `block.compile()`: see WrappedModule)
     def _planned_step(self, args, kwargs):
+        self.twin.training = self.unit.training  # (the twin's own flag is a copy made at wrap time)
         return self.auto.step(split_call(self.twin, args, kwargs))
 
 

@@ -25,7 +25,7 @@ from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops 
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
-    PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
+    ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
 )
 from remat_ir.trace.calls import autocast_off, split_call
 
@@ -479,8 +479,17 @@ class RematModule(WrappedModule):
         super().__init__(model, loss_fn)
         self.runner = runner
         self.program = program
+        self._model_guard = ModelGuard(model)
 
     def step(self, call):
+        if "_model_guard" not in self.__dict__:  # (pickled before there were guards)
+            self._model_guard = ModelGuard(self.module)
+        changed = self._model_guard.changes(self.module)
+        if changed:
+            more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+            raise PlanMismatch(f"{'; '.join(changed[:3])}{more} since the plan was bound; wrap the model "
+                               "again (remat_ir.wrap(model, plan)), which checks the plan against the model as "
+                               "it is now, or compile a plan for it")
         return self.runner.run(self.module, call)
 
 
@@ -492,5 +501,8 @@ def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bo
     produces (the step is traced again under fake tensors: see
     `remat_ir.runtime.bind`).  At each training step it refuses a call whose
     tensors are not the plan's (other names, shapes or dtypes, a tensor where
-    the plan had None) and a model whose parameters changed dtype since."""
+    the plan had None), a model whose parameters changed dtype since, and one
+    changed since in what `remat_ir.runtime.bind.ModelGuard` watches (a
+    submodule replaced, a parameter or buffer object replaced, requires_grad
+    or a submodule's train/eval mode changed), naming the change."""
     return RematModule(model, program, loss, check_model)

@@ -45,14 +45,18 @@ _UNSUPPORTED = {"aten._local_scalar_dense.default", "aten.nonzero.default", "ate
 def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs: dict | None = None,
                  loss_fn: Callable | None = None, model_name: str = "", fake: bool = False,
                  device: str | None = None, fuse: bool = True, neutral: bool | None = None,
-                 guards: list[str] | None = None, autocast: str | None = None) -> Program:
+                 guards: list[str] | None = None, autocast: str | None = None,
+                 as_called: bool = False) -> Program:
     """Trace one training step of `module(*example_inputs, **kwargs)`.
 
     The call's tensors are the plan's inputs, named after the forward's
     parameters; its other arguments (None, flags) are constants of the plan
     (see `remat_ir.trace.calls`).  `loss_fn(output, *args, **kwargs)`, when
     given, is traced as part of the step and its result is the forward
-    result.  The module is traced in training mode.
+    result.  The module is put in train mode for the trace (its submodules
+    too), or with `as_called` traced with each module in the mode it is in
+    (as eager runs a training step of a model whose dropout was put in
+    eval() alone); either way every module's mode is restored after.
 
     `device` is the device type the plan is for (default: where the
     parameters and inputs are); the step is traced as it runs there, with
@@ -87,14 +91,16 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
         raise TraceError(str(e)) from None
     if autocast is not None:
         call.autocast = autocast
-    was_training = module.training
-    module.train()
+    modes = [(m, m.training) for m in module.modules()]
+    if not as_called:
+        module.train()
     try:
         # Checkpointed layers are traced as plain code: the plan decides what is recomputed.
         with torch.random.fork_rng(devices=[]), autocast_off(), inline_checkpoints():
             return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral, guards)
     finally:
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 def model_params(module: torch.nn.Module):
