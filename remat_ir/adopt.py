@@ -131,7 +131,7 @@ class AutoRemat(WrappedModule):
                             time_limit=time_limit, solver=solver)
         self.cache_plans = cache
         self.max_plans = max_plans
-        self.plans: OrderedDict[str, PlanRunner] = OrderedDict()
+        self.plans: OrderedDict[tuple, PlanRunner] = OrderedDict()  # (call structure, guards) -> plan
 
     def step(self, call):
         guard = self.__dict__.get("_model_guard")
@@ -143,18 +143,25 @@ class AutoRemat(WrappedModule):
                 print(f"remat-ir: {'; '.join(changed[:3])}{more} since the plans for "
                       f"{type(self.module).__name__} were made: planning it again", file=sys.stderr)
                 self.plans.clear()
-        key = call.structure()
-        runner = self.plans.get(key)
+        # Calls of one structure share a plan unless the model's code decides on
+        # their values (an all-ones mask or not): then each decision has its own,
+        # keyed by its guards.
+        structure = call.structure()
+        key = runner = None
+        for k, r in self.plans.items():
+            if k[0] == structure and not r.failed_guard(self.module, call):
+                key, runner = k, r
+                break
         if runner is None:
             runner = self._plan(call)
             if not self.plans or guard is None:
                 self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
+            key = (structure, tuple(runner.program.header.guards))
             self.plans[key] = runner
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
-        else:
-            self.plans.move_to_end(key)
-        return runner.run(self.module, call)
+        self.plans.move_to_end(key)
+        return runner.run(self.module, call, guards_checked=True)
 
     def _plan(self, call) -> PlanRunner:
         from remat_ir import pipeline

@@ -145,7 +145,14 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
     device = next((p.device for p in model.parameters()), torch.device(program.header.device))
     with mode or contextlib.nullcontext():
-        named = {v.source or v.name: _blank(v, device) for v in program.values if v.kind == INPUT}
+        named, made = {}, {}
+        for v in program.values:
+            if v.kind == INPUT:
+                # One tensor passed twice (`input_ids=ids, labels=ids`) is one storage in the plan.
+                twin = made.get(v.storage)
+                same = twin is not None and list(twin.shape) == v.shape and list(twin.stride()) == v.stride
+                made.setdefault(v.storage, t := twin if same else _blank(v, device))
+                named[v.source or v.name] = t
     # The call's constants as the plan was made with them (`scale=2.0`), not the forward's defaults.
     at = program.header.lines.get("constants", 0)
     for name, text in constants_map(program.header.constants).items():
@@ -165,7 +172,7 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     try:
         fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, autocast=program.header.autocast,
                              model_name=program.header.model,
-                             fake=True, neutral=is_neutral(program))
+                             fake=True, neutral=is_neutral(program), guards=program.header.guards)
     except TraceError as e:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
     if program.header.rewrites:

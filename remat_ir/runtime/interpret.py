@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from remat_ir import ir
 
 from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops that plans name)
+from remat_ir.ir.guards import Guard, GuardError, failed_guard
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
@@ -313,6 +314,10 @@ class PlanRunner:
         self.seg_keys = [keys for _, keys in exe.segments]
         self.input_names = [v.source or v.name for v in exe.inputs]
         self.param_types = [(v, getattr(torch, v.dtype), torch.Size(v.shape)) for v in exe.params]
+        try:
+            self.guards = [Guard(g) for g in program.header.guards]
+        except GuardError as e:
+            raise PlanMismatch(str(e), program.header.lines.get("guards", 0)) from None
 
     # The compiled code is generated Python, which pickle cannot hold: a
     # pickled runner keeps the plan and compiles it again when loaded.
@@ -342,7 +347,15 @@ class PlanRunner:
         return (constants_differ(self.program.header.constants, call)
                 or autocast_differs(self.program.header.autocast, call.autocast))
 
-    def run(self, model: torch.nn.Module, call):
+    def failed_guard(self, model: torch.nn.Module, call) -> str:
+        """Which of the plan's guards `call` breaks (the model's code would take
+        another path on its values), in words, or ""."""
+        if not self.guards:
+            return ""
+        got = dict(zip(call.names, call.tensors))
+        return failed_guard(self.guards, lambda kind, name: got[name] if kind == "input" else model.get_buffer(name))
+
+    def run(self, model: torch.nn.Module, call, *, guards_checked: bool = False):
         """One training step of `model` on `call`, by the plan."""
         exe = self.exe
         by_name = {}
@@ -355,7 +368,7 @@ class PlanRunner:
                                    f"{list(p.shape)} but the plan was compiled for {v.dtype}{v.shape}; "
                                    "convert the model before wrapping it, or compile a plan for it as it is now")
             by_name[v.name] = p
-        problem = self.accepts(call)
+        problem = self.accepts(call) or (not guards_checked and self.failed_guard(model, call))
         if problem:
             raise PlanMismatch(f"{problem}; compile a plan for this call")
         got = dict(zip(call.names, call.tensors))

@@ -49,6 +49,14 @@ class Fidelity:
         return not self.difference
 
 
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _view(t: torch.Tensor) -> tuple:
+    return _key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
 class _Record(TorchDispatchMode):
     """Each op with the ops whose results it read, so that ops whose results
     the step never uses (the trace holds none) can be left out."""
@@ -58,42 +66,50 @@ class _Record(TorchDispatchMode):
         self.ops: list[str] = []
         self.deps: list[list[int]] = []
         self.root: list[bool] = []
-        self.producer: dict[int, int] = {}  # id(tensor) -> op that last wrote it
-        self.keep: list = []  # the tensors seen, so their ids stay theirs
+        # A tensor as a view of its storage -> the op that returned it (autograd may
+        # hand the caller another tensor object for the same view).
+        self.made: dict[tuple, int] = {}
+        self.written: dict[int, int] = {}  # storage -> the op that last wrote into it in place
+        self.fresh: set[int] = set()  # storages the step allocated
+        self.keep: list = []  # the tensors seen, so their ids and storages stay theirs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = str(func)
-        if name in _BOOKKEEPING:
-            # Owner bookkeeping: the result is its operand.
-            src = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if src is not None and id(src) in self.producer and isinstance(out, torch.Tensor):
-                self.producer[id(out)] = self.producer[id(src)]
-                self.keep.append(out)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.keep += outs
+        if str(func) in _BOOKKEEPING:
             return out
         ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         k = len(self.ops)
-        self.ops.append(name)
-        self.deps.append([self.producer[id(t)] for t in ins if id(t) in self.producer])
+        self.ops.append(str(func))
+        self.deps.append(self._sources(ins))
         written = [t for i, a in enumerate(func._schema.arguments) if a.alias_info is not None
                    and a.alias_info.is_write for t in pytree.tree_leaves(args[i] if i < len(args) else
                                                                          kwargs.get(a.name))
                    if isinstance(t, torch.Tensor)]
-        # Random draws, and writes into tensors that existed before the step
+        # Random draws, and writes into memory that existed before the step
         # (buffers), happen whether or not the step reads them.
         self.root.append(torch.Tag.nondeterministic_seeded in func.tags
-                         or any(id(t) not in self.producer for t in written))
-        for t in written + [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]:
-            self.producer[id(t)] = k
-            self.keep.append(t)
-        self.keep.extend(ins)
+                         or any(_key(t) not in self.fresh for t in written))
+        for t in written:
+            self.written[_key(t)] = k
+        aliasing = func.is_view or any(r.alias_info is not None for r in func._schema.returns)
+        for t in outs:
+            self.made[_view(t)] = k
+            if not aliasing:
+                self.fresh.add(_key(t))
+        self.keep += ins
         return out
+
+    def _sources(self, tensors) -> list[int]:
+        out = [self.made[_view(t)] for t in tensors if _view(t) in self.made]
+        return out + [self.written[_key(t)] for t in tensors if _key(t) in self.written]
 
     def used(self, results) -> list[str]:
         """The ops that `results` (tensors) depend on, and the roots, in order."""
         live = set()
-        work = [self.producer[id(t)] for t in results if id(t) in self.producer]
+        work = self._sources(results)
         work += [k for k, r in enumerate(self.root) if r]
         while work:
             k = work.pop()
@@ -155,3 +171,37 @@ def _first_difference(eager: list[str], traced: list[str], modules: list[str], p
         n = min(len(eager), len(traced))
         return f"{name} runs {len(longer) - n} more ops, from {longer[n]}"
     return ""
+
+
+def train_side_by_side(model: torch.nn.Module, kwargs: dict, *, budget=0.5, steps: int = 3,
+                       seed: int = 0) -> dict:
+    """`steps` AdamW steps of a copy of `model` eagerly and of another copy
+    through `remat_ir.wrap(copy, budget=budget)` (plans kept off disk), on
+    the same call and seeds.  Returns {"bitwise": parameters equal bit for
+    bit after every step, "max_rel": the largest parameter difference over
+    its tensor's largest magnitude, "plan_s": seconds of the first wrapped
+    step (planning), "plans": plans made}."""
+    import copy
+    import time
+
+    from remat_ir.adopt import wrap
+
+    eager = copy.deepcopy(model).train()
+    wrapped = wrap(copy.deepcopy(model).train(), budget=budget, cache=False)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (eager, wrapped.module)]
+    bitwise, max_rel, plan_s = True, 0.0, 0.0
+    for step in range(steps):
+        for m, opt in ((eager, opts[0]), (wrapped, opts[1])):
+            torch.manual_seed(seed + step)
+            opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            m(**kwargs).loss.backward()
+            if m is wrapped and step == 0:
+                plan_s = time.perf_counter() - t0
+            opt.step()
+        for a, b in zip(eager.parameters(), wrapped.module.parameters()):
+            bitwise &= torch.equal(a, b)
+            scale = a.detach().abs().max().item() or 1.0
+            max_rel = max(max_rel, (a - b).abs().max().item() / scale)
+    return {"bitwise": bitwise, "max_rel": max_rel, "plan_s": plan_s, "plans": len(wrapped.plans)}

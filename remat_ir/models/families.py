@@ -1,0 +1,129 @@
+"""Small transformers models of the families users train, called as users call them.
+
+``FAMILIES[name](seed)`` returns ``(model, kwargs)``: a model built from a
+small config (random weights, nothing downloaded) and the keyword arguments
+of a training call (ids, masks, labels), so that ``model(**kwargs).loss`` is
+the step's loss.  The tests and ``tools/fidelity.py`` train each through
+``remat_ir.wrap`` against eager.  Needs ``transformers`` (and ``peft`` for
+``llama-lora``), which the ``test`` extra installs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["FAMILIES"]
+
+_VOCAB, _BATCH, _SEQ = 128, 2, 32
+
+
+def _ids(g: torch.Generator, seq: int = _SEQ) -> torch.Tensor:
+    return torch.randint(0, _VOCAB, (_BATCH, seq), generator=g)
+
+
+def _llama_config(layers: int = 3):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def llama(seed: int = 0, padded: bool = False):
+    """A decoder-only LM (Llama) with an attention mask: all ones, or with
+    the first row's last 5 positions padded (masked, labels -100)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_llama_config())
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if padded:
+        mask[0, -5:] = 0
+        labels[0, -5:] = -100
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def llama_lora(seed: int = 0):
+    """The Llama above with LoRA adapters (peft) on its attention projections."""
+    from peft import LoraConfig, get_peft_model
+
+    model, kwargs = llama(seed)
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                             target_modules=["q_proj", "v_proj"]))
+    # peft initializes B to zero; a random B makes the adapters matter in the gradients.
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    return model, kwargs
+
+
+def mixtral(seed: int = 0):
+    """A mixture of experts (Mixtral: 4 experts, top 2), routing inside the step."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def t5(seed: int = 0):
+    """An encoder-decoder (T5, dropout 0.1) with a padded encoder mask and labels."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=_VOCAB, d_model=64, d_ff=128, d_kv=16, num_layers=1, num_decoder_layers=1, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0))
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": _ids(g, _SEQ // 2)}
+
+
+def bart(seed: int = 0):
+    """An encoder-decoder (BART, dropout 0.1) with a padded encoder mask and labels."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=_VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2))
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": _ids(g, _SEQ // 2)}
+
+
+def vit(seed: int = 0):
+    """A vision transformer classifier (ViT) on 32 x 32 images."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    model = ViTForImageClassification(ViTConfig(
+        image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=128, num_labels=10, hidden_dropout_prob=0.1))
+    g = torch.Generator().manual_seed(seed)
+    return model, {"pixel_values": torch.randn(_BATCH, 3, 32, 32, generator=g),
+                   "labels": torch.randint(0, 10, (_BATCH,), generator=g)}
+
+
+FAMILIES: dict[str, Callable] = {
+    "llama": llama,
+    "llama-padded": lambda seed=0: llama(seed, padded=True),
+    "llama-lora": llama_lora,
+    "mixtral": mixtral,
+    "t5": t5,
+    "bart": bart,
+    "vit": vit,
+}

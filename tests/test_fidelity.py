@@ -1,0 +1,79 @@
+"""The planned step is eager's step, on the transformers families users train.
+
+For each family (small configs called with masks, labels, LoRA adapters:
+`remat_ir.models.families`): the traced step runs eager's aten ops in eager's
+order (`remat_ir.trace.fidelity.compare`), and three AdamW steps through
+`remat_ir.wrap(model, budget=0.5)` leave the parameters bitwise equal to
+eager's.  T5 is in `tools/fidelity.py` only: its plan takes minutes today.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from remat_ir.models.families import FAMILIES  # noqa: E402
+from remat_ir.trace.fidelity import compare, train_side_by_side  # noqa: E402
+
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "bart", "vit"]
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_family_traces_and_trains_as_eager(name):
+    if name == "llama-lora":
+        pytest.importorskip("peft")
+    model, kwargs = FAMILIES[name]()
+    f = compare(model, (), kwargs)
+    assert f.same, f.difference
+    assert len(f.eager) > 300
+    r = train_side_by_side(model, kwargs, budget=0.5, steps=3)
+    assert r["bitwise"], r
+
+
+def test_a_changed_step_is_found():
+    # The check is not blind: a trace of another call differs from eager's step.
+    model, kwargs = FAMILIES["llama"]()
+    f = compare(model, (), kwargs)
+    other = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
+    other["attention_mask"][0, -3:] = 0  # the padded path builds a mask tensor
+    from remat_ir.trace.fidelity import eager_ops
+    assert eager_ops(model, (), other) != f.traced
+
+
+def test_a_mask_decision_is_a_guard(tmp_path):
+    """An all-ones mask and a padded one are two decisions of the model's code:
+    a budget wrap plans each once, and a plan for one refuses the other."""
+    import remat_ir
+    from remat_ir.ir.parser import parse_program
+    from remat_ir.ir.printer import format_program
+    from remat_ir.runtime.bind import PlanMismatch
+
+    model, kwargs = FAMILIES["llama"]()
+    padded = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
+    padded["attention_mask"][0, -5:] = 0
+    plan = remat_ir.compile(model, (), kwargs)
+    assert any("attention_mask" in g for g in plan.header.guards)
+    text = format_program(plan)
+    assert format_program(parse_program(text)) == text
+    w = remat_ir.wrap(model, parse_program(text))  # the model check replays the plan's guards
+    w(**kwargs).loss.backward()
+    with pytest.raises(PlanMismatch, match="attention_mask"):
+        w(**padded)
+    a = remat_ir.wrap(model, cache=False)
+    for call in (kwargs, padded, kwargs, padded):
+        a(**call).loss.backward()
+    assert len(a.plans) == 2
+
+
+def test_guards_never_run_plan_text():
+    from remat_ir.ir.guards import Guard, GuardError
+
+    for bad in ["__import__('os').system('true') == 0", "input('x').__class__ == 1",
+                "aten.add_.Tensor(input('x'), 1) == 1", "(lambda: 1)() == 1", "open('f') == 1",
+                "aten.sum.default(input('x')) == 'a'"]:
+        with pytest.raises(GuardError):
+            Guard(bad)
+    g = Guard("aten._local_scalar_dense.default(aten.all.default(aten.eq.Scalar(input('m'), 1))) == True")
+    assert g.expr(lambda kind, name: torch.ones(3)) is True
+    assert g.expr(lambda kind, name: torch.zeros(3)) is False
