@@ -38,6 +38,9 @@ path_name = st.builds(
     segment, st.lists(st.tuples(st.sampled_from([".", ":"]), segment), max_size=4))
 any_text = st.text(max_size=12)
 name = st.one_of(path_name, path_name, path_name, any_text)
+# Keyword argument names are identifiers (keywords of the language among them).
+kwarg_name = st.one_of(st.from_regex(syntax.KWARG_RE, fullmatch=True).filter(lambda k: len(k) <= 12),
+                       st.sampled_from(["_", "graph", "none", "nan", "inf", "false", "from", "torch"]))
 small_int = st.integers(min_value=0, max_value=2 ** 40)
 i64 = st.integers(min_value=-2 ** 63, max_value=2 ** 63 - 1)
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -141,7 +144,7 @@ def programs(draw) -> Program:
             args=draw(st.lists(args_of(refs), max_size=5)),
             kwargs=draw(st.dictionaries(st.one_of(st.sampled_from(["dtype", "device", "layout",
                                                                    "memory_format", "true", "alpha"]),
-                                                  any_text), args_of(refs), max_size=3)),
+                                                  kwarg_name), args_of(refs), max_size=3)),
             outputs=outputs,
             phase=phase,
             module=draw(st.one_of(st.just(""), path_name, any_text)),
@@ -377,7 +380,8 @@ class _ToProgram(lark.Transformer):
         return c
 
     def kwarg(self, c):
-        return _word(c[0].children[0]), c[1]
+        key = c[0].children[0]
+        return (key[1:-1] if key.type == "QUOTED_KEY" else str(key)), c[1]
 
     def name_arg(self, c):
         name = str(c[0])
@@ -857,6 +861,34 @@ def test_error_is_picklable():
     assert str(e2) == "f.rir:3:4: boom" and e2.line == 3
 
 
+INJECTED_KEY = "other=E['w']) if __import__('os').system('touch /tmp/x') == 0 else dict(a"
+
+
+def test_keyword_argument_names_are_identifiers():
+    lines = format_program(sample_program()).split("\n")
+    i = _sample_line("  loss ")
+    lines[i] = f'  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, {json.dumps(INJECTED_KEY)}=1)'
+    with pytest.raises(RirSyntaxError) as e:
+        parse_program("\n".join(lines), "k.rir")
+    col = lines[i].index('"other') + 1
+    assert (e.value.line, e.value.column) == (i + 1, col)
+    assert e.value.message.startswith("expected a keyword argument name: an identifier (letters, digits "
+                                      "and `_`, not starting with a digit), bare or in quotes, found a string")
+    lines[i] = "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, dim.x=1)"
+    with pytest.raises(RirSyntaxError, match=r"^k.rir:\d+:\d+: expected a keyword argument name: .* found a "
+                                             r"name `dim.x`"):
+        parse_program("\n".join(lines), "k.rir")
+    # The printer writes no name the reader would refuse.
+    p = sample_program()
+    node = next(n for n in p.nodes if n.args)
+    for bad in (INJECTED_KEY, "a.b", "é", "1x", ""):
+        node.kwargs = {bad: 1}
+        with pytest.raises(ValueError, match="cannot print keyword argument name"):
+            format_program(p)
+    node.kwargs = {"true": 1, "from": 2, "graph": 3}
+    assert strip_lines(read_as_lark_does(format_program(p))).nodes == p.nodes
+
+
 def test_special_float_args_print_as_keywords():
     assert printer._arg(Seq([Special("inf"), Special("-inf"), Special("nan"), -0.0, 1e-05])) == \
         "[inf, -inf, nan, -0.0, 1e-05]"
@@ -919,9 +951,19 @@ CORNERS = [
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, -infinity)", False),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, 1e5, 1_0)", False),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, device (cpu))", False),
-    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, torch.x=1, \"true\"=2, "
-                "device=3)", True),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, x_1=1, \"true\"=2, "
+                "device = 3, _=4, graph=5, \"alpha\" =6)", True),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, true=1)", False),
+    # A keyword argument's name is an identifier: no dots, colons, other letters, escapes.
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, torch.x=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, a:1=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, aé=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, truex=1, nan_=2)", True),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, \"a b\"=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, \"\\u0061\"=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, \"\"=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, \"1a\"=1)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, [a=1])", False),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view,)", False),
     ("  loss ", "  loss f32[] 4 bytes = graph(transformer.drop.view) module forward", True),
     ("  loss ", "  loss f32[] 4 bytes = \"my op\"(transformer.drop.view) mutates ( loss )", True),

@@ -29,7 +29,7 @@ from remat_ir.ir.types import (
     Ref, Seq, Special, Value,
 )
 from remat_ir.ir.syntax import (
-    DTYPES, HEADER_FIELDS, LAYOUTS, MEMORY_FORMATS, NAME_RE, VALUE_DECL_KINDS, RirSyntaxError,
+    DTYPES, HEADER_FIELDS, KWARG_RE, LAYOUTS, MEMORY_FORMATS, NAME_RE, VALUE_DECL_KINDS, RirSyntaxError,
 )
 
 __all__ = ["parse_program", "grammar_text"]
@@ -93,6 +93,8 @@ KEYWORDS = frozenset({
 
 _ARG_WORDS: dict[str, Any] = {"true": True, "false": False, "none": None,
                               "inf": Special("inf"), "nan": Special("nan")}
+_KWARG_NAME = ("a keyword argument name: an identifier (letters, digits and `_`, not starting with a "
+               "digit), bare or in quotes")
 _INSTRS = (COMPUTE, RECOMPUTE, FREE)
 _NODE_ATTRS = ("module", "random", "mutates", "flops", "time_us")
 _ARGUMENT = ("an argument (a value name, number, string, true/false/none, list, "
@@ -611,7 +613,10 @@ class _Reader:
                     self.i = j
                     self.fail("`)` or `,`", note=f" (`{word}` is a keyword here; a keyword argument of that "
                                                  f"name is written \"{word}\"=...)")
-                key = self.decode(word, i + 1) if word[0] == '"' else word
+                key = word[1:-1] if word[0] == '"' else word
+                if not KWARG_RE.fullmatch(key):
+                    self.i = i
+                    self.fail(_KWARG_NAME)
                 self.i = j + 1
                 value = self.arg(refs)
                 if key in kwargs:

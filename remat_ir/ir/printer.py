@@ -18,7 +18,7 @@ from remat_ir.ir.types import (
     Program, Ref, Seq, Special, Value,
 )
 from remat_ir.ir.syntax import (
-    DEVICE_BARE_RE, ESCAPE_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SPECIALS,
+    DEVICE_BARE_RE, ESCAPE_RE, KWARG_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SPECIALS,
 )
 
 __all__ = ["format_program", "with_lines", "human_bytes"]
@@ -56,6 +56,13 @@ def _bare_ok(s: str) -> bool:
 
 def _ref(name: str) -> str:
     return name if _bare_ok(name) else "%" + _quote(name)
+
+
+def _kwarg_name(k: str) -> str:
+    if not isinstance(k, str) or not KWARG_RE.fullmatch(k):
+        raise ValueError(f"cannot print keyword argument name {k!r}: expected an identifier "
+                         "(letters, digits and _, not starting with a digit)")
+    return k if k not in RESERVED else _quote(k)
 
 
 def _word(s: str) -> str:
@@ -302,7 +309,7 @@ class _Printer:
             head = f"{_ref(n.name)}: {head}" if head else f"{_ref(n.name)}:"
         args = [_arg(a) for a in n.args]
         for k, a in n.kwargs.items():
-            args.append(f"{k if _bare_ok(k) else _quote(k)}={_arg(a)}")
+            args.append(f"{_kwarg_name(k)}={_arg(a)}")
         op = n.op if _bare_ok(n.op) else _quote(n.op)
         line = f"  {head} = {op}({', '.join(args)})"
         if n.module:

@@ -80,6 +80,9 @@ Rules of the text:
   `true`/`false`/`none`, `"strings"` (JSON escapes), lists `[a, b]`,
   `torch.float32` / `torch.strided` / `torch.contiguous_format` (dtype, layout,
   memory format), `device(cuda:0)`; keyword arguments `key=value` come last.
+  A keyword argument's name is an identifier (`[A-Za-z_][A-Za-z0-9_]*`), bare,
+  or quoted (`"true"=...`) when it is one of the argument keywords `true`,
+  `false`, `none`, `inf`, `nan`; no other name is read.
 * Schedule: `forward` then `backward` sections of `compute NODE`,
   `recompute NODE`, `free VALUE`; `outputs` of `result KEY = VALUE` and
   `grad VALUE = VALUE`.
@@ -139,6 +142,7 @@ class RirSyntaxError(ValueError):
 
 
 NAME_RE = re.compile(r"[A-Za-z_]\w*(?:[.:]\w+)*")
+KWARG_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a keyword argument's name
 DEVICE_BARE_RE = re.compile(r"[\w.:-]+")
 RESULT_KEY_RE = re.compile(r"0|-?[1-9][0-9]*")
 ESCAPE_RE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ud800-\udfff]")

@@ -41,6 +41,32 @@ def _resolve_op(name: str):
         raise PlanMismatch(f"unknown op {name} in this PyTorch build") from e
 
 
+_SPECIALS = ("inf", "-inf", "nan")
+
+
+def _str(s) -> str:
+    """A plan's string as a Python string literal (never anything else)."""
+    if not isinstance(s, str):
+        raise PlanMismatch(f"expected a string in the plan, found {type(s).__name__}")
+    return str.__repr__(s)
+
+
+def _float(x: float) -> str:
+    """A float literal; `float('inf')` and the like for the others."""
+    r = float.__repr__(x)
+    return r if x == x and x not in (float("inf"), float("-inf")) else f"float({r!r})"
+
+
+def _torch_constant(a):
+    """torch.float32 / torch.strided / torch.contiguous_format for a DType,
+    Layout or MemoryFormat argument, and nothing else torch has."""
+    kind = {ir.DType: torch.dtype, ir.Layout: torch.layout, ir.MemoryFormat: torch.memory_format}[type(a)]
+    obj = getattr(torch, a.name, None) if isinstance(a.name, str) else None
+    if not isinstance(obj, kind):
+        raise PlanMismatch(f"torch.{a.name} is not a {kind.__name__.removeprefix('torch.')} in this PyTorch build")
+    return obj
+
+
 class Executable:
     """A program compiled for execution: forward code and backward segments."""
 
@@ -109,27 +135,41 @@ class Executable:
             self.consts.append(obj)
         return f"C[{self._const_ids[k]}]"
 
+    # Generated code holds no plan text but string literals written by
+    # `str.__repr__`: value names, keyword argument names (the keys of a dict
+    # literal, passed as `**{...}`) and string arguments.  Everything else is a
+    # literal number or a constant from `C` (ops, dtypes, devices, any other
+    # object), so no plan, checked or not, can put code into it.
+
     def _expr(self, a) -> str:
-        if isinstance(a, ir.Ref):
-            return f"E[{a.name!r}]"
-        if isinstance(a, ir.Seq):
+        if a is None or a is True or a is False:
+            return repr(a)
+        t = type(a)
+        if t is ir.Ref:
+            return f"E[{_str(a.name)}]"
+        if t is ir.Seq:
             return "[" + ", ".join(self._expr(x) for x in a.items) + "]"
-        if isinstance(a, ir.DType):
-            return self._const(getattr(torch, a.name))
-        if isinstance(a, ir.Device):
+        if t is ir.DType or t is ir.Layout or t is ir.MemoryFormat:
+            return self._const(_torch_constant(a))
+        if t is ir.Device:
             return self._const(torch.device(a.name))
-        if isinstance(a, ir.Layout):
-            return self._const(getattr(torch, a.name))
-        if isinstance(a, ir.MemoryFormat):
-            return self._const(getattr(torch, a.name))
-        if isinstance(a, ir.Special):
-            return f"float({a.name!r})"
-        return repr(a)
+        if t is ir.Special:
+            if a.name not in _SPECIALS:
+                raise PlanMismatch(f"unknown special float {a.name!r} (expected inf, -inf or nan)")
+            return f"float({_str(a.name)})"
+        if t is int:
+            return int.__repr__(a)
+        if t is float:
+            return _float(a)
+        if t is str:
+            return _str(a)
+        return self._const(a)
 
     def _call(self, node) -> str:
         op = self._const(_resolve_op(node.op))
         args = [self._expr(a) for a in node.args]
-        args += [f"{k}={self._expr(v)}" for k, v in node.kwargs.items()]
+        if node.kwargs:
+            args.append("**{" + "".join(f"{_str(k)}: {self._expr(v)}, " for k, v in node.kwargs.items()) + "}")
         return f"{op}({', '.join(args)})"
 
     def _compile(self, name: str, instrs, grads):
@@ -137,29 +177,29 @@ class Executable:
         replay = set(self.replayed)
         for ins in instrs:
             if ins.kind == FREE:
-                body.append(f"del E[{ins.target!r}]")
+                body.append(f"del E[{_str(ins.target)}]")
                 continue
             node = self.nodes[ins.target]
             call = self._call(node)
             if node.random and node.name in replay:
                 if ins.kind == COMPUTE:
-                    body.append(f"R[{node.name!r}] = get_rng()")
+                    body.append(f"R[{_str(node.name)}] = get_rng()")
                 else:
-                    body.append(f"_s = get_rng(); set_rng(R[{node.name!r}])")
+                    body.append(f"_s = get_rng(); set_rng(R[{_str(node.name)}])")
             outs = node.outputs
             if len(outs) == 1 and self._single_output(node):
-                body.append(f"E[{outs[0]!r}] = {call}")
+                body.append(f"E[{_str(outs[0])}] = {call}")
             else:
                 body.append(f"_r = {call}")
                 for k, out in enumerate(outs):
                     if out:
-                        body.append(f"E[{out!r}] = _r[{k}]")
+                        body.append(f"E[{_str(out)}] = _r[{k}]")
                 body.append("del _r")
             if node.random and node.name in replay and ins.kind == RECOMPUTE:
                 body.append("set_rng(_s); del _s")
         # Hand gradients over: popped so autograd holds the only reference.
         if grads:
-            body.append("return (" + "".join(f"E.pop({v!r}), " for v, _ in grads) + ")")
+            body.append("return (" + "".join(f"E.pop({_str(v)}), " for v, _ in grads) + ")")
         else:
             body.append("return ()")
         src = f"def {name}(E, R, C, get_rng, set_rng):\n" + "".join(f"    {ln}\n" for ln in body)
