@@ -84,9 +84,10 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     are `remat_ir.compile`'s.  `cache=False` keeps plans off disk.  `loss(output, *args,
     **kwargs)`, when given, is part of the step.  A model sharded with
     FSDP2's `fully_shard` gets a plan per FSDP unit, each for `budget` on
-    each rank (`remat_ir.runtime.fsdp`).  Planning errors
-    (an infeasible budget, a model that cannot be traced) are raised at that
-    first call."""
+    each rank (`remat_ir.runtime.fsdp`).  A budget or `time_limit` that is
+    no positive, finite amount (zero, negative, NaN, infinite) is refused
+    here (BudgetError, ValueError); planning errors (an infeasible budget, a
+    model that cannot be traced) are raised at that first call."""
     if plan is not None:
         if budget is not None:
             raise ValueError("give wrap() a plan or a budget, not both: the plan already fits its budget")
@@ -101,6 +102,11 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
                              "fully_shard runs a plan per FSDP unit: wrap it with a budget, "
                              "remat_ir.wrap(model, budget=...)")
         return wrap_plan(model, plan, loss, check_model=check_model)
+    from remat_ir import pipeline
+
+    # A budget or time limit that is no positive, finite amount fails here, not at the first step.
+    pipeline.check_budget(budget)
+    pipeline.check_time_limit(time_limit)
     if _uses_fsdp(model):
         from remat_ir.runtime.fsdp import FSDPRemat
 
@@ -124,6 +130,8 @@ class AutoRemat(WrappedModule):
         # Typos fail here, not at the first step.
         if scope not in pipeline.SCOPES:
             raise ValueError(f"scope must be one of {', '.join(pipeline.SCOPES)}, not {scope!r}")
+        pipeline.check_budget(budget)
+        pipeline.check_time_limit(time_limit)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, not {max_plans}")
         super().__init__(model, loss_fn)

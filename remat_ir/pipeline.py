@@ -21,7 +21,9 @@ The stages, also callable one by one (one trace, several budgets):
 
 A budget is bytes (int), a size ("1.5GiB", "800MB"), a fraction of the
 unoptimized peak in `scope` (0.5, "0.5", "50%"), or "floor" (the smallest peak
-the optimizer reaches).  `scope` is "activations" by default (`DEFAULT_SCOPE`,
+the optimizer reaches); zero, negative, NaN and infinite budgets, and a
+`time_limit` that is no positive, finite number of seconds, are refused
+before any work (`check_budget`, `check_time_limit`).  `scope` is "activations" by default (`DEFAULT_SCOPE`,
 every entry point's): what the step adds on top of parameters, gradients and
 optimizer state, which recomputation can shrink; "total" counts those too.
 Pass `stats=CompileStats()` to learn how long each stage took and what the
@@ -42,11 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from remat_ir.ir import COST_FLOPS, COST_MODELS, COST_PROFILE, Program
+from remat_ir.ir import budgets
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 
-__all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "compile", "fit", "plan_device",
-           "trace"]
+__all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "check_budget", "check_time_limit",
+           "compile", "fit", "plan_device", "trace"]
 
 # The optimizer's safety stop in seconds (its search is bounded by counts, not
 # time; see remat_ir.optimize.search.Settings).
@@ -91,6 +94,28 @@ class _Clock:
         if self.stats is not None:
             self.stats._add(self.stage, time.perf_counter() - self.t0)
         return False
+
+
+def _is_floor(budget) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == "floor"
+
+
+def check_budget(budget) -> None:
+    """Raises BudgetError unless `budget` is None, "floor" or one `fit` can
+    read: a positive, finite amount (zero, negative, NaN and infinite budgets
+    are refused, in remat-compile's words).  Every entry point checks it
+    before any work."""
+    if budget is None or _is_floor(budget):
+        return
+    try:
+        budgets.parse_budget(budget)
+    except ValueError as e:
+        raise BudgetError(str(e)) from None
+
+
+def check_time_limit(time_limit) -> float:
+    """`time_limit` as a float; ValueError unless a positive, finite number of seconds."""
+    return budgets.check_time_limit(time_limit)
 
 
 def _check_optimizer_args(solver: str, effort: str) -> None:
@@ -178,8 +203,9 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
     plan reaches, with the graph rewrites `exact` allows.  `planner`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    time_limit = check_time_limit(time_limit)
     with _Clock(stats, "budget"):
-        if isinstance(budget, str) and budget.strip().lower() == "floor":
+        if _is_floor(budget):
             planner = _rewrite_planner(program, scope, solver, effort, exact, planner)
             nbytes = int(planner.floor(time_limit))
         else:
@@ -229,7 +255,11 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
     several budgets of one program, pass the same `planner`
     (`remat_ir.optimize.rewrites.RewritePlanner(program, scope)`, or a
     `remat_ir.optimize.search.Planner` for the graph itself): the work done
-    for one budget serves the next."""
+    for one budget serves the next.  A budget or `time_limit` that is no
+    positive, finite amount is refused before any work (BudgetError,
+    ValueError)."""
+    check_budget(budget)
+    time_limit = check_time_limit(time_limit)
     if budget is None:
         return _verified(program, stats)
     if scope not in SCOPES:
@@ -274,8 +304,11 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     model, the budget and the options alone.  `exact`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    # Before the trace, which can take minutes.
+    check_budget(budget)
+    check_time_limit(time_limit)
     if budget is not None:
-        _check_optimizer_args(solver, effort)  # before the trace, which can take minutes
+        _check_optimizer_args(solver, effort)
     program = trace(model, args, kwargs, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
                     profile_repeats=profile_repeats, stats=stats, device=device, autocast=autocast)
     return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats,

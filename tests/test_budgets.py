@@ -132,3 +132,67 @@ def test_cli_compile_budget_then_run_check(tmp_path, capsys):
     budget = load_plan(path).header.budget
     assert budget is not None and budget.scope == "activations"
     assert data["predicted_activation_peak_bytes"] <= budget.bytes
+
+
+# ------------------------------------------- budgets that are no amount of memory
+
+# Zero, negative, NaN and infinite budgets, as numbers and as text: each
+# entry point refuses them before any work, in the words remat-compile uses.
+NO_BUDGETS = [-1, 0, 0.0, -0.5, -0.0, float("nan"), float("inf"), float("-inf"), -(2 ** 70),
+              "-1", "0", "0.0", "-0.5", "0%", "-50%", "0MB", "-1.5GiB", "nan", "inf", "-inf", "1e400"]
+
+
+def _refuse_work(monkeypatch):
+    """Make every stage of the pipeline fail the test if it runs."""
+    from remat_ir import pipeline
+
+    def work(*a, **k):
+        raise AssertionError("a bad budget got as far as the pipeline's work")
+
+    for stage in ("trace", "_rewrite_planner", "_verified", "_check_optimizer_args"):
+        monkeypatch.setattr(pipeline, stage, work)
+
+
+@pytest.mark.parametrize("budget", NO_BUDGETS, ids=repr)
+def test_no_amount_of_memory_is_refused_by_every_entry_point(tmp_path, capsys, monkeypatch, budget):
+    import remat_ir
+    from remat_ir.pipeline import BudgetError, fit
+
+    out = tmp_path / "p.rir"
+    # remat-compile, before it loads the model.
+    assert compile_main(["mlp", "--fake", "-o", str(out), f"--budget={budget}", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("remat-compile: error: --budget: budget") or \
+        err.startswith("remat-compile: error: --budget: cannot read budget"), err
+    assert "\n" not in err and not out.exists()
+    cli_message = err.removeprefix("remat-compile: error: --budget: ")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    _refuse_work(monkeypatch)
+    messages = []
+    for call in (lambda: remat_ir.wrap(model, budget=budget),  # at construction, not at the first step
+                 lambda: remat_ir.compile(model, (torch.randn(2, 4),), budget=budget),
+                 lambda: fit(None, budget)):
+        with pytest.raises(BudgetError) as e:
+            call()
+        messages.append(str(e.value))
+    assert len(set(messages)) == 1
+    # The same words as remat-compile's (a number shows as a number, text in quotes).
+    assert messages[0] == cli_message.replace(repr(str(budget)), repr(budget))
+    assert "write bytes (123456), a size (800MB, 1.5GiB) or a fraction of the unoptimized peak" in messages[0]
+    # The optimizer's own reading says the same.
+    with pytest.raises(ValueError, match="budget"):
+        resolve_budget(None, budget)
+
+
+def test_wrap_refuses_a_bad_budget_before_planning(monkeypatch):
+    import remat_ir
+    from remat_ir.pipeline import BudgetError
+
+    model = torch.nn.Linear(4, 4)
+    _refuse_work(monkeypatch)
+    with pytest.raises(BudgetError, match=r"^budget -1 is not a positive amount of memory: write bytes"):
+        remat_ir.wrap(model, budget=-1)
+    # Positive budgets and "floor" are taken (planned at the first step).
+    for budget in (1, 0.6, "0.6", "60%", "1.5GiB", "floor", " Floor "):
+        remat_ir.wrap(model, budget=budget)

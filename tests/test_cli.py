@@ -318,7 +318,9 @@ def test_non_scalar_loss_is_refused_naming_its_shape(tmp_path, capsys):
 @pytest.mark.parametrize("budget, says", [
     ("1e400", "budget '1e400' is not a finite number of bytes"),
     ("99999999999999999999999999TiB", "is 1.1e+38 bytes, more than any memory (a budget is at most 2**63 - 1"),
-    ("inf", "cannot read budget 'inf'"),
+    ("inf", "budget 'inf' is not a finite number: write bytes"),
+    ("-1", "budget '-1' is not a positive amount of memory: write bytes"),
+    ("0", "budget '0' is not a positive amount of memory"),
 ])
 def test_budget_beyond_any_integer(tmp_path, capsys, budget, says):
     f = _model_file(tmp_path, "lin", "def build():\n"
@@ -339,6 +341,48 @@ def test_budget_api_refuses_what_is_no_amount_of_memory():
                    "99999999999999999999999999TiB", "9" * 30 + ".5"):
         with pytest.raises(BudgetError, match="budget"):
             fit(program, budget)
+
+
+@pytest.mark.parametrize("flag", [["--time-limit", "-5"], ["--time-limit", "nan"], ["--time-limit=-inf"],
+                                  ["--time-limit", "inf"], ["--time-limit", "0"], ["--time-limit", "-0"]])
+def test_time_limit_must_be_positive_and_finite(tmp_path, capsys, monkeypatch, flag):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "x.rir"
+    limit = float(flag[-1].split("=")[-1])
+    assert compile_main(["mlp", "--fake", "-o", str(out), "--budget", "0.5", *flag]) == 2
+    err = _one_line_error(capsys, "remat-compile")
+    assert err == f"remat-compile: error: --time-limit must be a positive, finite number of seconds, not {limit:g}"
+    assert list(tmp_path.iterdir()) == []
+    from remat_ir.cli.bench import main as bench_main
+
+    assert bench_main(["--model", "mlp", "--quiet", *flag]) == 2
+    err = _one_line_error(capsys, "remat-bench")
+    assert err == f"remat-bench: error: --time-limit must be a positive, finite number of seconds, not {limit:g}"
+
+
+def test_time_limit_api_refuses_what_is_no_positive_finite_time(monkeypatch):
+    import remat_ir
+    from remat_ir import pipeline
+
+    net, args, loss = _small_net()
+
+    def work(*a, **k):
+        raise AssertionError("a bad time limit got as far as the pipeline's work")
+
+    for stage in ("trace", "_rewrite_planner", "_verified", "_check_optimizer_args"):
+        monkeypatch.setattr(pipeline, stage, work)
+    for limit in (-5, -5.0, 0, 0.0, float("nan"), float("inf"), float("-inf"), "60", None, True):
+        for call in (lambda: remat_ir.wrap(net, budget=0.5, time_limit=limit),  # at construction
+                     lambda: remat_ir.wrap(net, time_limit=limit),
+                     lambda: remat_ir.compile(net, args, loss=loss, budget=0.5, time_limit=limit),
+                     lambda: remat_ir.compile(net, args, loss=loss, time_limit=limit),
+                     lambda: pipeline.fit(None, 0.5, time_limit=limit),
+                     lambda: pipeline.budget_bytes(None, 0.5, time_limit=limit)):
+            with pytest.raises(ValueError, match=r"^time_limit must be a positive, finite number of seconds, "
+                                                 r"not " + repr(limit).replace("(", r"\(").replace(")", r"\)")):
+                call()
+    for limit in (0.5, 1, 300.0):
+        remat_ir.wrap(net, budget=0.5, time_limit=limit)
 
 
 def test_device_cuda_without_cuda_is_refused_first(tmp_path, capsys, monkeypatch):

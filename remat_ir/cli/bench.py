@@ -47,6 +47,7 @@ import contextlib
 import copy
 import functools
 import gc
+import math
 import os
 import statistics
 import sys
@@ -832,6 +833,8 @@ def _main(argv) -> int:
             raise ValueError("--device cuda, but no CUDA device is available")
         if args.steps < 1:
             raise ValueError("--steps must be at least 1")
+        if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+            raise ValueError(f"--time-limit must be a positive, finite number of seconds, not {args.time_limit:g}")
         apply_threads(args)
         t_start = time.perf_counter()
         ctx = Context(args)

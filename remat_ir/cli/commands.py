@@ -111,7 +111,9 @@ def _compile(argv) -> int:
     from remat_ir.ir.costs import overhead_text
     from remat_ir.ir.printer import with_lines
     from remat_ir.ir.types import DEFAULT_SCOPE
-    from remat_ir.pipeline import BudgetError, CompileStats, UnsoundPlan, budget_bytes, fit, trace
+    from remat_ir.pipeline import (
+        BudgetError, CompileStats, UnsoundPlan, budget_bytes, check_budget, check_time_limit, fit, trace,
+    )
     from remat_ir.runtime.load import check_device, load_model
 
     # Flags are checked before any work, so a typo fails in a second.
@@ -126,6 +128,15 @@ def _compile(argv) -> int:
                        "to run on: drop --fake, or use --cost flops")
     if args.profile_repeats < 1:
         raise CliError(f"--profile-repeats must be at least 1, not {args.profile_repeats}")
+    try:
+        check_time_limit(args.time_limit)
+    except ValueError:
+        raise CliError(f"--time-limit must be a positive, finite number of seconds, not {args.time_limit:g}") \
+            from None
+    try:
+        check_budget(args.budget)
+    except BudgetError as e:
+        raise CliError(f"--budget: {e}") from None
     if args.autocast is not None:
         from remat_ir.trace.calls import parse_autocast
 

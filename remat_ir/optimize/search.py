@@ -28,7 +28,6 @@ on the program, the budget and the options.
 from __future__ import annotations
 
 import math
-import re
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -40,8 +39,8 @@ from remat_ir.optimize.blocks import Segment, segments
 from remat_ir.optimize.family import Analysis, apply_plan, profile, simulated_peak
 from remat_ir.ir.costs import node_cost
 from remat_ir.ir import COST_PROFILE, Budget, Program
+from remat_ir.ir.budgets import budget_int, parse_budget
 from remat_ir.ir.printer import human_bytes
-from remat_ir.ir.syntax import clip
 from remat_ir.optimize.milp import KeepModel, SolveRecord, installed_solvers, pick_options
 from remat_ir.ir.schedule import default_schedule
 from remat_ir.ir.types import DEFAULT_SCOPE
@@ -111,14 +110,6 @@ class OptimizeResult:
 
 # ---------------------------------------------------------------- budgets
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
-    "t": 1000 ** 4, "tb": 1000 ** 4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-
-
 def unoptimized_peak(program: Program, scope: str = DEFAULT_SCOPE) -> int:
     """Peak of the default schedule (compute in order, free after last use)."""
     fwd, bwd = default_schedule(program)
@@ -130,44 +121,13 @@ def unoptimized_peak(program: Program, scope: str = DEFAULT_SCOPE) -> int:
 def resolve_budget(program: Program, text: str | int | float, scope: str = DEFAULT_SCOPE) -> int:
     """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
     a fraction of the unoptimized peak in the scope: "0.5", "50%".  Raises
-    ValueError when it cannot be read, or is not a finite number of bytes
-    that fits a 64-bit integer ("1e400", "inf", "99999999999999999999TiB")."""
-    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
-        return _budget_int(int(text), text)
-    if isinstance(text, float):
-        if not math.isfinite(text):
-            raise ValueError(f"budget {text!r} is not a finite number: {_HOW}")
-        return _budget_int(text * unoptimized_peak(program, scope), text)
-    s = str(text).strip().replace("_", "").replace(" ", "")
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(%|[a-zA-Z]*)", s)
-    if not m:
-        raise ValueError(f"cannot read budget {clip(repr(text))}: {_HOW}")
-    num, unit = m.group(1), m.group(2).lower()
-    if unit == "%":
-        return _budget_int(float(num) / 100.0 * unoptimized_peak(program, scope), text)
-    if unit == "" and "." in num and "e" not in num.lower():
-        frac = float(num)
-        if frac <= 0:
-            raise ValueError(f"budget fraction must be positive, not {clip(repr(text))}")
-        return _budget_int(frac * unoptimized_peak(program, scope), text)
-    if unit not in _UNITS:
-        raise ValueError(f"unknown unit {clip(repr(m.group(2)))} in budget {clip(repr(text))}; "
-                         f"use B, KB, MB, GB, KiB, MiB, GiB")
-    return _budget_int(float(num) * _UNITS[unit], text)
-
-
-_HOW = "write bytes (123456), a size (800MB, 1.5GiB) or a fraction of the unoptimized peak (0.5, 50%)"
-MAX_BUDGET = 2 ** 63 - 1  # bytes: what a plan's budget line (an int64) can hold, 8 EiB
-
-
-def _budget_int(nbytes: float | int, text) -> int:
-    """`nbytes` rounded to an int, refusing what is no amount of memory."""
-    if isinstance(nbytes, float) and not math.isfinite(nbytes):
-        raise ValueError(f"budget {clip(repr(text))} is not a finite number of bytes: {_HOW}")
-    if nbytes > MAX_BUDGET:
-        raise ValueError(f"budget {clip(repr(text))} is {float(nbytes):.3g} bytes, more than any memory "
-                         f"(a budget is at most 2**63 - 1 bytes, 8 EiB): {_HOW}")
-    return int(round(nbytes))
+    ValueError when it cannot be read, or is not a positive, finite number of
+    bytes that fits a 64-bit integer ("0", "-1", "1e400", "inf",
+    "99999999999999999999TiB"): `remat_ir.ir.budgets.parse_budget`."""
+    kind, amount = parse_budget(text)
+    if kind == "fraction":
+        return budget_int(amount * unoptimized_peak(program, scope), text)
+    return int(amount)
 
 
 # ---------------------------------------------------------------- settings
