@@ -27,9 +27,10 @@ For each node, in graph order:
 Each node is checked on its declared operands, not on what earlier nodes
 produced, so one wrong fact is reported once, where it is declared.  Values,
 tangents and the header are checked too: a tangent's `source` is the index of
-a forward result of its shape and dtype; the header's device is a torch device
-type, its optimizer one of `OPTIMIZER_STATES` with the state bytes that
-optimizer keeps, its `output_spec` empty or a treespec with one leaf per
+a forward result of its shape and dtype; the header's device, and every
+`device(...)` argument, is one the runtime runs plans on (`cpu`, `cuda`,
+`cuda:N`: `device_problem`); its optimizer is one of `OPTIMIZER_STATES` with
+the state bytes that optimizer keeps, its `output_spec` empty or a treespec with one leaf per
 result.  Nothing raises: what cannot be checked (an op fake mode cannot run,
 one whose outputs depend on the data) is reported as an error.
 
@@ -39,18 +40,40 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 
 from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir.ops import fake_kernels
+from remat_ir.ir.syntax import clip
 from remat_ir.ir.types import (
     COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, OPTIMIZER_STATES, PARAM, RESULT, TANGENT,
     Device, DType, Layout, MemoryFormat, Program, Ref, Seq, Special, arg_refs,
 )
 
-__all__ = ["typecheck"]
+__all__ = ["typecheck", "device_problem"]
 
-# Device types a plan may name, for "did you mean" (torch.device decides).
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
+# The devices the runtime runs plans on, in a header's `device` line and in
+# `device(...)` arguments alike: `cpu`, `cuda` and `cuda:N`.  N is at most 127,
+# torch's largest device index (torch.device("cuda:128") is cuda:-128); an
+# index beyond the machine's GPUs is the machine's to refuse, at run time.
+# Other torch device types (meta, mps, xpu, ...) have no RNG, memory
+# accounting or autocast path in the runtime.
+DEVICE_RE = re.compile(r"cpu|cuda(?::(?:0|[1-9][0-9]?|1[01][0-9]|12[0-7]))?")
+_DEVICE_WORDS = ("cpu", "cuda", "cuda:0")
+
+
+def device_problem(name) -> str:
+    """What is wrong with `name` as a device of a plan (a header's `device`,
+    a `device(...)` argument), in words that follow "device "; "" when the
+    runtime runs plans there."""
+    if isinstance(name, str) and DEVICE_RE.fullmatch(name):
+        return ""
+    shown = clip(name) if isinstance(name, str) else type(name).__name__
+    short = isinstance(name, str) and len(name) < 40
+    close = difflib.get_close_matches(name, _DEVICE_WORDS, n=1) if short else []
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return (f"{shown!r} is not one the runtime runs plans on: write cpu, cuda or cuda:N (N a GPU index "
+            f"from 0 to 127){hint}")
 
 Loc = tuple  # (section, index, line)
 
@@ -162,15 +185,11 @@ class _Checker:
         if h.version != FORMAT_VERSION:
             self.err(loc("rir"), f"format version {h.version!r} is not {FORMAT_VERSION}, the version this "
                                  f"remat-ir reads")
-        try:
-            dev = torch.device(h.device)
-        except (RuntimeError, TypeError, ValueError):
-            close = difflib.get_close_matches(str(h.device), _DEVICE_TYPES, n=1)
-            hint = f"; did you mean `{close[0]}`?" if close else ""
-            self.err(loc("device"), f"device {h.device!r} is not a torch device type (cpu, cuda, mps, xpu, "
-                                    f"...): the runtime cannot place tensors on it{hint}")
+        problem = device_problem(h.device)
+        if problem:
+            self.err(loc("device"), f"device {problem}")
         else:
-            self.device = dev
+            self.device = torch.device(h.device)
         if h.cost not in COST_MODELS:
             self.err(loc("cost"), f"cost model {h.cost!r} is unknown; expected one of "
                                   f"{', '.join(COST_MODELS)}")
@@ -424,10 +443,10 @@ class _Checker:
                 raise _Unconvertible(f"torch.{a.name} is not a {kind.__name__}")
             return got
         if isinstance(a, Device):
-            try:
-                return torch.device(a.name)
-            except (RuntimeError, TypeError, ValueError):
-                raise _Unconvertible(f"device({a.name}) is not a torch device") from None
+            problem = device_problem(a.name)
+            if problem:
+                raise _Unconvertible(f"device({a.name}): {problem}")
+            return torch.device(a.name)
         if isinstance(a, Special):
             try:
                 return float(a.name)
