@@ -47,6 +47,7 @@ import contextlib
 import copy
 import functools
 import gc
+import io
 import math
 import os
 import statistics
@@ -59,6 +60,8 @@ from typing import Callable
 import torch
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
+from remat_ir.cli.outputs import check_outputs, model_file
+from remat_ir.ir.files import image_format, write_atomically
 
 MiB = 2**20
 
@@ -756,8 +759,12 @@ def pareto_png(ctx: Context, rows: list[Row], path: str) -> None:
     leg = ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     _place_labels(fig, ax, labels, obstacles=[leg])
-    fig.savefig(path)
-    plt.close(fig)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=image_format(path))
+    finally:
+        plt.close(fig)
+    write_atomically(path, buf.getvalue())
 
 
 # -------------------------------------------------------------------- main
@@ -788,7 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads ran 5-8x slower and scattered whenever anything else was running (OpenMP "
                         "oversubscription), one thread stayed steady; on CUDA torch's default")
     p.add_argument("--md", help="also write the Markdown table to this file")
-    p.add_argument("--png", help="write the Pareto plot (activation peak vs step-time ratio) here")
+    p.add_argument("--png", help="write the Pareto plot (activation peak vs step-time ratio) here (.png, .pdf, "
+                                    ".svg, ...)")
     p.add_argument("--json", help="also write every row's figures as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -824,6 +832,9 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    # Before any work: a bench run takes minutes, and must not write over its model file.
+    check_outputs([("--md", args.md), ("--json", args.json), ("--png", args.png)],
+                  [("the model file", model_file(args.model))], images=["--png"])
     try:
         budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
         if any(not (0 < b <= 1) for b in budgets):
@@ -869,8 +880,7 @@ def _main(argv) -> int:
     sys.stdout.write(md)
     sys.stdout.flush()
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
+        write_atomically(args.md, md.encode("utf-8"))
     if args.json:
         write_json(ctx, rows, wall, args.json)
     if args.png:
@@ -889,8 +899,7 @@ def write_json(ctx: Context, rows: list[Row], wall: float, path: str) -> None:
            "trace_s": ctx.trace_s,
            "inputs": [list(x.shape) for x in ctx.inputs if isinstance(x, torch.Tensor)],
            "rows": [dict(dataclasses.asdict(r), step_time=r.step_time, ratio=r.ratio) for r in rows]}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    write_atomically(path, json.dumps(out, indent=1).encode("utf-8"))
 
 
 def eager_reference(ctx: Context) -> list:

@@ -9,13 +9,13 @@ saying what and where, never a traceback).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import time
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_INPUT, EXIT_OK, CliError, run_cli
+from remat_ir.cli.outputs import check_outputs, model_file
 
 __all__ = ["EXIT_FAIL", "EXIT_INPUT", "EXIT_OK", "CliError", "bench_main", "compile_main", "run_main",
            "show_main", "verify_main"]
@@ -87,21 +87,14 @@ def _compile_parser() -> argparse.ArgumentParser:
 _PARETO_POINTS = 8
 
 
-def _pareto_png(args) -> str:
-    """Where the sweep's plot goes; refuses, before any work, a place it cannot be written."""
+def _pareto_png(args) -> str | None:
+    """Where the sweep's plot goes (None without --pareto)."""
+    if not (args.pareto or args.pareto_points is not None or args.pareto_png is not None):
+        return None
     if args.pareto_png:
-        path = args.pareto_png
-    else:
-        root, ext = os.path.splitext(args.output)
-        path = (root if ext == ".rir" else args.output) + ".pareto.png"
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        raise CliError(f"cannot write {path}: no directory {d}")
-    if os.path.isdir(path):
-        raise CliError(f"cannot write {path}: it is a directory")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise CliError("--pareto draws its plot with matplotlib: pip install matplotlib")
-    return path
+        return args.pareto_png
+    root, ext = os.path.splitext(args.output)
+    return (root if ext == ".rir" else args.output) + ".pareto.png"
 
 
 def _compile(argv) -> int:
@@ -117,7 +110,10 @@ def _compile(argv) -> int:
     from remat_ir.runtime.load import check_device, load_model
 
     # Flags are checked before any work, so a typo fails in a second.
-    _check_output(args.output, args.model)
+    png = _pareto_png(args)
+    png_flag = "--pareto-png" if args.pareto_png else "--pareto's plot"
+    check_outputs([("-o", args.output), (png_flag, png)], [("the model file", model_file(args.model))],
+                  images=[png_flag])
     check_device(args.device)
     if args.scope != DEFAULT_SCOPE and args.budget is None and not (
             args.pareto or args.pareto_points is not None or args.pareto_png is not None):
@@ -151,7 +147,6 @@ def _compile(argv) -> int:
     points = _PARETO_POINTS if args.pareto_points is None else args.pareto_points
     if pareto and points < 2:
         raise CliError(f"--pareto-points must be at least 2 (the unoptimized peak and the floor), not {points}")
-    png = _pareto_png(args) if pareto else None
     if pareto or args.budget is not None:
         from remat_ir.optimize.milp import installed_solvers
 
@@ -245,19 +240,6 @@ def _check_scalar_loss(program, model: str, loss) -> None:
                        f"a scalar loss: define loss(output, *inputs) in the model file, returning one, or "
                        f"return a scalar loss from forward")
     raise CliError(f"{model}: the step returns {problem}, not a scalar loss")
-
-
-def _check_output(output: str, model: str) -> None:
-    """Refuse, before any work, an -o that cannot be written or that is the
-    model's own source file."""
-    if os.path.exists(model) and os.path.exists(output) and os.path.samefile(model, output):
-        raise CliError(f"-o {output} is the model file itself; write the plan elsewhere (e.g. "
-                       f"{os.path.splitext(output)[0]}.rir)")
-    d = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(d):
-        raise CliError(f"cannot write {output}: no directory {d}")
-    if os.path.isdir(output):
-        raise CliError(f"cannot write {output}: it is a directory")
 
 
 def _sweep(program, args, points: int, say) -> tuple[list, float]:

@@ -9,15 +9,18 @@ each instruction's allocation, by category, in the steady state (`.grad`
 present; `--first-step` for the first step, without `.grad`).
 
 Exit codes: 0 shown; 1 the plan cannot be simulated (run remat-verify);
-2 bad input (unreadable plan, missing matplotlib for --png).
+2 bad input (unreadable plan, missing matplotlib for --png, a --png that is
+no regular file, is the plan itself or has an extension matplotlib cannot write).
 """
 from __future__ import annotations
 
 import argparse
-import os
+import io
 import sys
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
+from remat_ir.cli.outputs import check_outputs
+from remat_ir.ir.files import image_format, write_atomically
 from remat_ir.ir.printer import human_bytes
 
 # Category colours for the stacked timeline (simulate.CATEGORIES order).
@@ -217,8 +220,12 @@ def timeline_png(program, report, path: str, *, title: str = "", first_step: boo
     ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
               framealpha=0.95)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.savefig(path)
-    plt.close(fig)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=image_format(path))
+    finally:
+        plt.close(fig)
+    write_atomically(path, buf.getvalue())
 
 
 def step_tensors(program, report) -> list[tuple[str, int]]:
@@ -243,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat-show", description="Show a .rir plan's predicted memory: "
                                 "the peak and what makes it, the recomputations, or (--png) the timeline.")
     p.add_argument("plan", help="plan file (.rir)")
-    p.add_argument("--png", help="write the memory timeline to this PNG file")
+    p.add_argument("--png", help="write the memory timeline to this image file (.png, .pdf, .svg, ...)")
     p.add_argument("--first-step", action="store_true", help="the first step (no .grad yet) instead of "
                                                              "the steady state")
     p.add_argument("--top", type=int, default=6, help="how many of the largest tensors to name")
@@ -255,12 +262,8 @@ def _run(argv) -> int:
     from remat_ir.check.simulate import SimulationError, simulate
     from remat_ir.ir.files import load_plan
 
-    if args.png:  # refused before any work: the plan may take a while to read and simulate
-        d = os.path.dirname(os.path.abspath(args.png))
-        if not os.path.isdir(d):
-            raise CliError(f"cannot write {args.png}: no directory {d}")
-        if os.path.isdir(args.png):
-            raise CliError(f"cannot write {args.png}: it is a directory")
+    # Refused before any work: the plan may take a while to read and simulate.
+    check_outputs([("--png", args.png)], [("the plan", args.plan)], images=["--png"])
     try:
         program = load_plan(args.plan)
     except (OSError, ValueError) as e:  # RirSyntaxError is a ValueError
@@ -275,10 +278,6 @@ def _run(argv) -> int:
         raise CliError(f"{args.plan}: the plan cannot be simulated ({e}); run remat-verify {args.plan}",
                         EXIT_FAIL) from e
     if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as e:
-            raise CliError("--png needs matplotlib (pip install matplotlib)") from e
         timeline_png(program, report, args.png, first_step=args.first_step, top=min(args.top, 5))
         from remat_ir.cli.report import where
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 
 from remat_ir.ir.parser import parse_program
@@ -9,7 +10,12 @@ from remat_ir.ir.printer import format_program
 from remat_ir.ir.syntax import RirSyntaxError
 from remat_ir.ir.types import Program
 
-__all__ = ["load_plan", "save_plan", "write_atomically"]
+__all__ = ["IMAGE_FORMATS", "image_format", "load_plan", "output_problem", "save_plan", "write_atomically"]
+
+# What matplotlib's Agg, PDF, PS and SVG backends write (jpg, tif and webp
+# through Pillow, which it requires), by extension; a fixed list, so that
+# checking an output does not import matplotlib.  pgf is left out: it needs LaTeX.
+IMAGE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
 
 # --------------------------------------------------------------- files
 
@@ -40,11 +46,58 @@ def save_plan(program: Program, path: str | os.PathLike) -> None:
     write_atomically(path, format_program(program).encode("utf-8"))
 
 
+def output_problem(path: str | os.PathLike) -> str | None:
+    """Why a new regular file cannot be put at `path`, or None when it can:
+    `path` is a symbolic link (to anything: writing would replace the link),
+    a directory, a device file, a FIFO or a socket, or its directory is
+    missing.  What `write_atomically` refuses, and the CLI's output flags
+    before any work."""
+    name = os.fspath(path)
+    try:
+        st = os.lstat(name)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        return e.strerror or str(e)
+    if st is not None:
+        mode = st.st_mode
+        if stat.S_ISLNK(mode):
+            try:
+                target = os.readlink(name)
+            except OSError:
+                target = "?"
+            return f"it is a symbolic link (to {target}), which writing would replace; give a regular file's path"
+        if stat.S_ISDIR(mode):
+            return "it is a directory"
+        if not stat.S_ISREG(mode):
+            kind = ("a device file" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                    "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else
+                    "a socket" if stat.S_ISSOCK(mode) else "no regular file")
+            return f"it is {kind}, which writing would replace with a regular file"
+    directory = os.path.dirname(os.path.abspath(name))
+    if not os.path.isdir(directory):
+        return f"no directory {directory}"
+    return None
+
+
+def image_format(path: str | os.PathLike) -> str:
+    """The format a picture at `path` is written in: its extension, or png
+    when it has none (as matplotlib does).  Not necessarily one of
+    `IMAGE_FORMATS`: the CLI refuses the others before any work."""
+    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    return ext or "png"
+
+
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same directory,
     fsync and rename: readers see the old file or the whole new one, never a
-    half-written one, and a failure leaves nothing behind."""
+    half-written one, and a failure leaves nothing behind.  Refuses (OSError)
+    a `path` that is anything but a regular file or nothing (`output_problem`):
+    the rename would replace a symbolic link, a device file or a FIFO."""
     name = os.fspath(path)
+    problem = output_problem(name)
+    if problem is not None:
+        raise OSError(f"cannot write {name}: {problem}")
     directory = os.path.dirname(os.path.abspath(name))
     try:
         mode = os.stat(name).st_mode & 0o7777

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from remat_ir.ir.costs import overhead, unit_label
 from remat_ir.ir import COST_PROFILE, Program
-from remat_ir.ir.files import write_atomically
+from remat_ir.ir.files import image_format, write_atomically
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.types import DEFAULT_SCOPE
 
@@ -142,7 +142,8 @@ def format_table(rows: list[Row], title: str = "") -> str:
 def plot(rows: list[Row], path: str | os.PathLike, *, title: str = "", scope: str = DEFAULT_SCOPE,
          ylabel: str = "") -> None:
     """Predicted peak (x) against extra compute (y), one marker per budget,
-    written to `path` as a PNG (atomically: a temporary file renamed)."""
+    written to `path` (atomically: a temporary file renamed) in the format
+    its extension names (PNG without one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,7 +193,7 @@ def plot(rows: list[Row], path: str | os.PathLike, *, title: str = "", scope: st
     fig.tight_layout()
     buf = io.BytesIO()
     try:
-        fig.savefig(buf, format="png")
+        fig.savefig(buf, format=image_format(path))
     finally:
         plt.close(fig)
     write_atomically(path, buf.getvalue())
