@@ -75,6 +75,40 @@ def test_model_file_without_build(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["import", "build"])
+@pytest.mark.parametrize("call, shown", [("sys.exit(0)", "sys.exit(0)"), ("sys.exit()", "sys.exit()"),
+                                         ("sys.exit(3)", "sys.exit(3)"), ("raise SystemExit('bye')",
+                                                                         "sys.exit('bye')")])
+def test_model_file_that_exits(tmp_path, capsys, where, call, shown):
+    # sys.exit(0) in a model file ended remat-compile with 0, no plan and no word.
+    body = open(os.path.join(ROOT, "examples", "mlp_with_loss.py")).read()
+    if where == "import":
+        body = "import sys\n" + call + "\n" + body
+        says = f"importing the model file exited ({shown}); a model file must define build() and not exit"
+    else:
+        body += "\n_build = build\ndef build():\n    import sys\n    " + call + "\n"
+        says = f"build() exited ({shown})"
+    f = tmp_path / "m.py"
+    f.write_text(body)
+    out = tmp_path / "x.rir"
+    assert compile_main([str(f), "-o", str(out), "--quiet"]) == 2
+    err = _one_line_error(capsys, "remat-compile")
+    assert f"{f}: {says}" in err, err
+    assert not out.exists()
+
+
+def test_model_file_that_exits_makes_the_command_exit_2(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import sys\nsys.exit(0)\n")
+    code = "import sys; from remat_ir.cli.commands import compile_main; sys.exit(compile_main())"
+    r = subprocess.run([sys.executable, "-c", code, str(f), "-o", str(tmp_path / "x.rir")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.strip().splitlines() == [f"remat-compile: error: {f}: importing the model file exited "
+                                             f"(sys.exit(0)); a model file must define build() and not exit"]
+    assert not (tmp_path / "x.rir").exists()
+
+
 def test_plan_for_another_model(tiny_plan, capsys):
     assert run_main([str(tiny_plan), "mlp", "--steps", "1"]) == 2
     err = capsys.readouterr().err

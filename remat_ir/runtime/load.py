@@ -89,6 +89,11 @@ def check_device(device: str) -> None:
                          f"(torch.cuda.is_available() is False): use --device cpu")
 
 
+def _exit_text(e: SystemExit) -> str:
+    """`sys.exit(0)` for the SystemExit a model file raised."""
+    return "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
+
+
 def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
     p = Path(path)
     if not p.is_file():
@@ -101,6 +106,9 @@ def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
     sys.modules[name] = mod
     try:
         spec.loader.exec_module(mod)
+    except SystemExit as e:  # sys.exit(0) would end the command with 0 and no plan
+        raise ModelError(f"{path}: importing the model file exited ({_exit_text(e)}); a model file must "
+                         f"define build() and not exit") from None
     except Exception as e:  # noqa: BLE001 - the user's file; say where it failed
         raise ModelError(f"{path}: importing the model file failed: {type(e).__name__}: {e}") from e
     build = getattr(mod, "build", None)
@@ -122,6 +130,9 @@ def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
     try:
         with ctx:
             built = build(**kwargs)
+    except SystemExit as e:
+        raise ModelError(f"{path}: build() exited ({_exit_text(e)}); it must return (module, "
+                         f"example_inputs), not exit") from None
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"{path}: build() failed: {type(e).__name__}: {e}") from e
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
