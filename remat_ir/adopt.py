@@ -25,8 +25,11 @@ The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
 loss), the planning options (budget, scope, optimizer, cost model, solver,
 effort, time limit) and the versions of torch and remat-ir, so a changed
 model, input or option never meets a stale plan.  Files are written
-atomically; a cached plan is verified again before it runs, and one that
-does not verify is planned afresh.
+atomically; a cached plan is used only when its header is what is asked
+(the step's fingerprint, optimizer and cost model; no budget for no budget,
+else a budget in the scope asked, of the bytes asked when they are bytes or
+a size), and is verified again before it runs; any other is planned afresh
+(saying why on stderr) and its file rewritten.
 
 Planning imports the optimizer (cvxpy) lazily; running a plan given
 explicitly does not.
@@ -190,7 +193,7 @@ class AutoRemat(WrappedModule):
             path = cached = None
             if self.cache_plans:
                 path = cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
-                cached = _load_cached(path, program.header.fingerprint)
+                cached = _load_cached(path, program, o)
             if cached is not None:
                 # The fingerprint matched the step just traced, so no retrace; verified again
                 # (a file on disk can have been edited).
@@ -216,8 +219,11 @@ class AutoRemat(WrappedModule):
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _load_cached(path: Path, fingerprint: str):
-    """The plan at `path` if there is one made for `fingerprint`, else None."""
+def _load_cached(path: Path, program, options: dict):
+    """The plan at `path` if there is one made for the step `program` (as
+    traced: its fingerprint, optimizer and cost model) and for the request
+    `options` (budget and scope), else None, saying on stderr why a plan
+    found there is not used."""
     from remat_ir.ir.files import load_plan
 
     if not path.is_file():
@@ -227,7 +233,41 @@ def _load_cached(path: Path, fingerprint: str):
     except (OSError, ValueError) as e:
         print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
         return None
-    return plan if plan.header.fingerprint == fingerprint else None
+    if plan.header.fingerprint != program.header.fingerprint:
+        return None
+    problem = _cache_mismatch(plan.header, program.header, options)
+    if problem is not None:
+        print(f"remat-ir: ignoring the cached plan {path}: {problem}; planning again", file=sys.stderr)
+        return None
+    return plan
+
+
+def _cache_mismatch(cached, traced, options: dict) -> str | None:
+    """How the header of a cached plan differs from what is asked (None when
+    it does not): a plan without a budget for no budget; for a budget, one in
+    its scope, of its bytes when it is bytes or a size (a fraction of the
+    unoptimized peak and "floor" are resolved by planning, so only their
+    scope is checked); the traced step's optimizer and cost model."""
+    from remat_ir.ir.budgets import parse_budget
+
+    have, want, scope = cached.budget, options["budget"], options["scope"]
+    made = "without a budget" if have is None else f"for a budget of {have.bytes} bytes ({have.scope})"
+    if want is None:
+        if have is not None:
+            return f"made {made}, asked for no budget"
+    else:
+        asked = f"asked budget {want!r} ({scope})"
+        if have is None or have.scope != scope:
+            return f"made {made}, {asked}"
+        if not (isinstance(want, str) and want.strip().lower() == "floor"):
+            kind, amount = parse_budget(want)
+            if kind == "bytes" and have.bytes != amount:
+                return f"made {made}, {asked}: {amount} bytes"
+    if cached.optim != traced.optim:
+        return f"made for optimizer {cached.optim}, asked {traced.optim}"
+    if cached.cost != traced.cost:
+        return f"made for cost model {cached.cost}, asked {traced.cost}"
+    return None
 
 
 def _store(path: Path, plan) -> None:

@@ -210,3 +210,81 @@ def test_wrapper_manners(tmp_path, monkeypatch):
     w(x.double()).backward()
     with pytest.raises(PlanMismatch, match="fc1.weight is float64"):
         w(x)
+
+
+# -------------------------------------------- the cache checks what it loads
+
+
+def _deep():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())])
+
+
+def _sum_loss(out, x):
+    return out.sum()
+
+
+def _wrapped_step(cache: Path, budget, **options):
+    """A fresh wrap of `_deep()` for `budget` after one training step: its
+    plan, and the cache file that step wrote or read."""
+    before = set(cache.glob("*.rir"))
+    w = remat_ir.wrap(_deep(), loss=_sum_loss, budget=budget, **options)
+    w(torch.randn(32, 64, generator=torch.Generator().manual_seed(0))).backward()
+    (runner,) = w.plans.values()
+    new = set(cache.glob("*.rir")) - before
+    return runner.program, (new.pop() if new else None)
+
+
+def _recomputes(plan) -> int:
+    return sum(i.kind == "recompute" for i in plan.forward + plan.backward)
+
+
+def test_a_cached_plan_made_for_another_budget_is_not_used(tmp_path, monkeypatch, capsys):
+    # A cache file replaced by the same model's plan for another request (the
+    # same fingerprint) was used as it was: budget=0.8 ran the unoptimized plan.
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    plain, plain_file = _wrapped_step(tmp_path, None)
+    fitted, fitted_file = _wrapped_step(tmp_path, 0.8)
+    nbytes = fitted.header.budget.bytes
+    sized, sized_file = _wrapped_step(tmp_path, nbytes + 1000)
+    floor, floor_file = _wrapped_step(tmp_path, "floor", scope="total")
+    assert None not in (plain_file, fitted_file, sized_file, floor_file)
+    assert plain.header.budget is None and _recomputes(fitted) > 0
+    capsys.readouterr()
+    texts = {f: f.read_text() for f in (plain_file, fitted_file, sized_file, floor_file)}
+
+    # Each file holding another request's plan: said on one line, planned again, the file rewritten.
+    for victim, impostor, says in (
+            (fitted_file, plain_file, "made without a budget, asked budget 0.8 (activations)"),
+            (plain_file, fitted_file, f"made for a budget of {nbytes} bytes (activations), asked for no budget"),
+            (sized_file, fitted_file, f"made for a budget of {nbytes} bytes (activations), asked budget "
+                                      f"{nbytes + 1000} (activations): {nbytes + 1000} bytes"),
+            (floor_file, fitted_file, f"made for a budget of {nbytes} bytes (activations), asked budget "
+                                      f"'floor' (total)")):
+        victim.write_text(texts[impostor])
+        budget, options = {plain_file: (None, {}), fitted_file: (0.8, {}), sized_file: (nbytes + 1000, {}),
+                           floor_file: ("floor", {"scope": "total"})}[victim]
+        plan, written = _wrapped_step(tmp_path, budget, **options)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"remat-ir: ignoring the cached plan {victim}: {says}; planning again"], err
+        assert written is None and victim.read_text() == texts[victim]  # the right plan, in its file
+        assert plan.header.budget == remat_ir.load_plan(victim).header.budget
+
+    # The right plans are used quietly.
+    plan, _ = _wrapped_step(tmp_path, 0.8)
+    assert _recomputes(plan) > 0 and capsys.readouterr().err == ""
+
+
+def test_cache_mismatch_names_the_optimizer_and_cost_model():
+    from remat_ir.adopt import _cache_mismatch
+    from remat_ir.ir.types import Budget, Header
+
+    asked = dict(budget="1KiB", scope="activations")
+    fits = Header(budget=Budget(1024, "activations"), optim="adam", cost="flops")
+    assert _cache_mismatch(fits, Header(optim="adam"), asked) is None
+    assert _cache_mismatch(fits, Header(optim="sgd"), asked) == "made for optimizer adam, asked sgd"
+    assert _cache_mismatch(fits, Header(optim="adam", cost="profile"), asked) == \
+        "made for cost model flops, asked profile"
+    assert _cache_mismatch(fits, Header(optim="adam"), dict(budget=0.5, scope="activations")) is None
+    assert _cache_mismatch(fits, Header(optim="adam"), dict(budget="2KiB", scope="activations")) == \
+        "made for a budget of 1024 bytes (activations), asked budget '2KiB' (activations): 2048 bytes"
