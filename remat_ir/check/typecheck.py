@@ -46,8 +46,8 @@ from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir.ops import fake_kernels
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.types import (
-    COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, OPTIMIZER_STATES, PARAM, RESULT, TANGENT,
-    Device, DType, Layout, MemoryFormat, Program, Ref, Seq, Special, arg_refs,
+    COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, MAX_NESTING, OPTIMIZER_STATES, PARAM, RESULT,
+    TANGENT, Device, DType, Layout, MemoryFormat, Program, Ref, Seq, Special, arg_depth, arg_refs,
 )
 
 __all__ = ["typecheck", "device_problem"]
@@ -455,6 +455,8 @@ class _Checker:
         return a
 
     def check_outputs(self, loc: Loc, n, op) -> None:
+        if any(arg_depth(a, MAX_NESTING) > MAX_NESTING for a in list(n.args) + list(n.kwargs.values())):
+            return  # the verifier reports it (and `convert` recurses)
         refs = [r for a in list(n.args) + list(n.kwargs.values()) for r in arg_refs(a)]
         if not all(self.valid(r) for r in refs):
             return  # the verifier reports the undeclared or malformed operand

@@ -63,8 +63,8 @@ import difflib
 from dataclasses import dataclass, field
 
 from remat_ir.ir import (
-    BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT,
-    TANGENT, VALUE, VALUE_KINDS, Node, Program, node_inputs,
+    BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE,
+    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, arg_depth, node_inputs,
 )
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
@@ -226,6 +226,7 @@ class _Verifier:
             elif o.kind == GRAD:
                 self.grad_of.setdefault(o.value, []).append(o.key)
         self._suggestions_left = 10
+        self.too_deep = False  # some node has an argument nested more than MAX_NESTING deep
 
     # ------------------------------------------------------------ reporting
 
@@ -247,7 +248,7 @@ class _Verifier:
         what the tracer wrote (see remat_ir.ir.fingerprint); an empty
         fingerprint (a hand-written plan) is not checked."""
         h = self.p.header
-        if not h.fingerprint:
+        if not h.fingerprint or self.too_deep:  # (too deep: reported, and too deep for msgspec to hash)
             return
         now = fingerprint(self.p)
         if now != h.fingerprint:
@@ -348,6 +349,10 @@ class _Verifier:
                 elif o in out_seen:
                     self.err(loc, f"node {n.name} lists output {o} twice")
                 out_seen.setdefault(o, n.name)
+            if any(arg_depth(a, MAX_NESTING) > MAX_NESTING for a in list(n.args) + list(n.kwargs.values())):
+                self.too_deep = True
+                self.err(loc, f"node {n.name}: an argument has lists nested more than {MAX_NESTING} deep; an "
+                              f"op takes flat lists (`[2, 3]`, `[x, y]`), and the .rir reader refuses deeper ones")
             ins = self.inputs[id(n)]
             for m in n.mutates:
                 if m not in ins:

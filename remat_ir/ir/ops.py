@@ -125,15 +125,18 @@ def resolve(name: str):
     return getattr(getattr(getattr(torch.ops, ns), op), overload)
 
 
-def torch_arg(a, ref):
+def torch_arg(a, ref, _depth: int = 0):
     """A node argument (`remat_ir.ir.Arg`) as the op takes it; `ref(name)`
-    gives the tensor a value name stands for."""
-    from remat_ir.ir.types import Device, DType, Layout, MemoryFormat, Ref, Seq, Special
+    gives the tensor a value name stands for.  Raises ValueError for lists
+    nested more than MAX_NESTING deep."""
+    from remat_ir.ir.types import MAX_NESTING, Device, DType, Layout, MemoryFormat, Ref, Seq, Special
 
     if isinstance(a, Ref):
         return ref(a.name)
     if isinstance(a, Seq):
-        return [torch_arg(x, ref) for x in a.items]
+        if _depth == MAX_NESTING:
+            raise ValueError(f"an argument has lists nested more than {MAX_NESTING} deep")
+        return [torch_arg(x, ref, _depth + 1) for x in a.items]
     if isinstance(a, (DType, Layout, MemoryFormat)):
         return getattr(torch, a.name)
     if isinstance(a, Device):

@@ -24,7 +24,7 @@ from typing import Any
 
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
-    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, RECOMPUTE, RESULT, VALUE,
+    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, MAX_NESTING, RECOMPUTE, RESULT, VALUE,
     Budget, Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program,
     Ref, Seq, Special, Value,
 )
@@ -631,10 +631,14 @@ class _Reader:
         return m is not None and m.group() not in _ARG_WORDS
 
     def arg(self, refs: list) -> Any:
-        """One argument; lists are read with a stack, so nesting has no limit."""
+        """One argument; lists are read with a stack, and nest at most
+        MAX_NESTING deep (so nothing after the reader recurses deeply)."""
         open_lists: list[list] = []
         while True:
             if self.punct("["):
+                if len(open_lists) == MAX_NESTING:
+                    raise self.error_at(self.n, self.i, f"lists nested more than {MAX_NESTING} deep: an op "
+                                                        f"takes flat lists (`[2, 3]`, `[x, y]`)")
                 open_lists.append([])
                 if not self.punct("]"):
                     continue

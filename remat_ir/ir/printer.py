@@ -307,6 +307,10 @@ class _Printer:
         head = ", ".join(outs)
         if not (n.outputs and n.outputs[0] and n.name == n.outputs[0]):
             head = f"{_ref(n.name)}: {head}" if head else f"{_ref(n.name)}:"
+        for a in list(n.args) + list(n.kwargs.values()):
+            if ir.arg_depth(a, ir.MAX_NESTING) > ir.MAX_NESTING:
+                raise ValueError(f"cannot print node {n.name}: an argument has lists nested more than "
+                                 f"{ir.MAX_NESTING} deep, which the .rir reader refuses")
         args = [_arg(a) for a in n.args]
         for k, a in n.kwargs.items():
             args.append(f"{_kwarg_name(k)}={_arg(a)}")

@@ -77,7 +77,8 @@ Rules of the text:
   `graph forward` / `graph backward` block; blocks repeat when phases
   interleave.
 * Arguments: value names, ints, floats (repr), `inf`/`-inf`/`nan` (Special),
-  `true`/`false`/`none`, `"strings"` (JSON escapes), lists `[a, b]`,
+  `true`/`false`/`none`, `"strings"` (JSON escapes), lists `[a, b]` (nested
+  at most 32 deep: `MAX_NESTING`),
   `torch.float32` / `torch.strided` / `torch.contiguous_format` (dtype, layout,
   memory format), `device(cuda:0)`; keyword arguments `key=value` come last.
   A keyword argument's name is an identifier (`[A-Za-z_][A-Za-z0-9_]*`), bare,

@@ -230,13 +230,47 @@ class Program(msgspec.Struct, omit_defaults=True):
 # -------------------------------------------------------------- arg helpers
 
 
+# How deep list arguments may nest (`[1]` is 1 deep, `[[1]]` 2).  The ops a
+# plan calls take flat lists (`int[]`, `Tensor?[]`); the `.rir` reader
+# refuses deeper lists at their line, the verifier those of a program built
+# in memory, and the printer does not write them, so code that walks an
+# argument recursively (the type checker's fake run, the code generator)
+# never meets more.  The walkers here are iterative: they take any depth.
+MAX_NESTING = 32
+
+
 def arg_refs(arg: Arg) -> list[str]:
     """Names of the values an argument refers to, in order."""
     if isinstance(arg, Ref):
         return [arg.name]
-    if isinstance(arg, Seq):
-        return [r for item in arg.items for r in arg_refs(item)]
-    return []
+    if not isinstance(arg, Seq):
+        return []
+    out: list[str] = []
+    stack = [iter(arg.items)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, Ref):
+                out.append(item.name)
+            elif isinstance(item, Seq):
+                stack.append(iter(item.items))
+                break
+        else:
+            stack.pop()
+    return out
+
+
+def arg_depth(arg: Arg, limit: int | None = None) -> int:
+    """How deep lists nest in `arg`: 0 for a scalar, 1 for `[1, 2]`, 2 for
+    `[[1], []]`.  With `limit`, stops counting past it (returns limit + 1)."""
+    depth, level = 0, [arg]
+    while True:
+        lists = [a for a in level if isinstance(a, Seq)]
+        if not lists:
+            return depth
+        depth += 1
+        if limit is not None and depth > limit:
+            return depth
+        level = [item for a in lists for item in a.items]
 
 
 def node_inputs(node: Node) -> list[str]:

@@ -141,14 +141,16 @@ class Executable:
     # literal number or a constant from `C` (ops, dtypes, devices, any other
     # object), so no plan, checked or not, can put code into it.
 
-    def _expr(self, a) -> str:
+    def _expr(self, a, depth: int = 0) -> str:
         if a is None or a is True or a is False:
             return repr(a)
         t = type(a)
         if t is ir.Ref:
             return f"E[{_str(a.name)}]"
         if t is ir.Seq:
-            return "[" + ", ".join(self._expr(x) for x in a.items) + "]"
+            if depth == ir.MAX_NESTING:  # (a plan run unverified: the verifier refuses it)
+                raise PlanMismatch(f"an argument has lists nested more than {ir.MAX_NESTING} deep")
+            return "[" + ", ".join(self._expr(x, depth + 1) for x in a.items) + "]"
         if t is ir.DType or t is ir.Layout or t is ir.MemoryFormat:
             return self._const(_torch_constant(a))
         if t is ir.Device:
