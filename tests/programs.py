@@ -457,7 +457,10 @@ def random_program(draw_or_rng=None, n_forward: int = 12, *, p_dropout: float = 
             assert g is not None, f"no gradient reaches {v.name}"
             outputs.append(Output(GRAD, v.name, g))
 
-    program = Program(header=Header(model="random", has_loss=True), values=b.values, nodes=b.nodes,
+    # A loss is the step's one result (the tracer's rule, which the verifier
+    # checks): a program with an extra result is a model without one.
+    has_loss = sum(1 for o in outputs if o.kind == RESULT) == 1
+    program = Program(header=Header(model="random", has_loss=has_loss), values=b.values, nodes=b.nodes,
                       forward=[], backward=[], outputs=outputs)
     program.forward, program.backward = default_schedule(program)
     return program

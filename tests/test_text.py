@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 
 import lark
@@ -397,7 +398,8 @@ class _ToProgram(lark.Transformer):
         return int(c[0])
 
     def float_arg(self, c):
-        return float(c[0])
+        x = float(c[0])  # past the largest float (1e999): infinity, as `inf`
+        return x if math.isfinite(x) else Special("inf" if x > 0 else "-inf")
 
     def str_arg(self, c):
         return _string(c[0])
@@ -889,6 +891,20 @@ def test_keyword_argument_names_are_identifiers():
     assert strip_lines(read_as_lark_does(format_program(p))).nodes == p.nodes
 
 
+def test_a_float_past_the_largest_reads_as_inf():
+    """`1e999` is infinity: read as `inf` is (a Special), so it is the same
+    plan, with the same fingerprint, and prints as `inf`."""
+    t = format_program(sample_program())
+    i = _index(t.split("\n"), "  loss ")
+    lines = t.split("\n")
+    for lit, want in (("1e999", Special("inf")), ("-1e999", Special("-inf")), ("-2.5E+400", Special("-inf")),
+                      ("1e308", 1e308), ("1e-999", 0.0)):
+        lines[i] = f"  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, {lit})"
+        p = parse_program("\n".join(lines))
+        got = next(n for n in p.nodes if n.name == "loss").args[1]
+        assert got == want and type(got) is type(want), (lit, got)
+
+
 def test_special_float_args_print_as_keywords():
     assert printer._arg(Seq([Special("inf"), Special("-inf"), Special("nan"), -0.0, 1e-05])) == \
         "[inf, -inf, nan, -0.0, 1e-05]"
@@ -948,6 +964,7 @@ CORNERS = [
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, -inf, inf, nan, "
                 "[], [[1], [-2.5e3]], 1., device(cuda:0), device(\"a b\"), none) random flops 1", True),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, infinity)", None),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, 1e999, -2.5e400, [1e308])", True),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, -infinity)", False),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, 1e5, 1_0)", False),
     ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, device (cpu))", False),

@@ -648,3 +648,26 @@ def test_devices_the_runtime_runs(device, ok):
     else:
         assert len(msgs) == 1 and msgs[0].startswith("header: device ") and "write cpu, cuda or cuda:N" in msgs[0]
         assert len(msgs[0]) < 400, msgs[0]
+
+
+def test_a_plan_with_its_loss_returns_one_scalar():
+    """has_loss true (the tracer took a loss function) means the step returns
+    the loss, one tensor of one element, which remat-run calls .backward()
+    on; a plan that says so and returns more or other was sound and
+    refused by remat-run."""
+    from remat_ir.ir.parser import parse_program
+
+    try:
+        from .test_diagnostics import PLAN
+    except ImportError:
+        from test_diagnostics import PLAN
+    p = parse_program(PLAN)
+    assert verify(p).ok
+    two = parse_program(PLAN.replace("  result 0 = loss\n", "  result 0 = loss\n  result 1 = mm\n"))
+    line = two.header.lines["has_loss"]
+    assert [d.message for d in verify(two).errors if d.line == line] == [
+        "the plan includes its loss (has_loss true), but its step returns 2 results, not one tensor of one "
+        "element: a training step cannot call .backward() on it"]
+    without = parse_program(PLAN.replace("  result 0 = loss\n", "  result 0 = loss\n  result 1 = mm\n")
+                            .replace("has_loss true", "has_loss false"))
+    assert not any("has_loss" in d.message for d in verify(without).errors)

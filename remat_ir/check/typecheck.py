@@ -22,7 +22,15 @@ For each node, in graph order:
   (`torch.Tag.nondeterministic_seeded`, or `remat_ir.ir.ops.RANDOM_OPS`), and
   `mutates(...)` lists exactly the operands the op's schema writes (plus the
   running statistics `native_batch_norm` updates in training, which its schema
-  does not mark: `remat_ir.ir.ops.HIDDEN_MUTATORS`).
+  does not mark: `remat_ir.ir.ops.HIDDEN_MUTATORS`);
+* its literal numbers are ones the kernel takes where the fake run checks
+  nothing (`check_scalars`): a dropout or bernoulli probability in [0, 1], a
+  fill value (full, fill_, masked_fill, ...) its dtype can hold, no
+  `output_mask` entry false where the node names the output (the kernel then
+  returns None; the fake run a tensor), and on CPU plans, the scalars of a
+  pointwise op as its CPU kernel takes them, run for real on two elements
+  (an integer divided by 0 or raised to a negative power, a clamp bound past
+  int64).
 
 Each node is checked on its declared operands, not on what earlier nodes
 produced, so one wrong fact is reported once, where it is declared.  Values,
@@ -30,8 +38,10 @@ tangents and the header are checked too: a tangent's `source` is the index of
 a forward result of its shape and dtype; the header's device, and every
 `device(...)` argument, is one the runtime runs plans on (`cpu`, `cuda`,
 `cuda:N`: `device_problem`); its optimizer is one of `OPTIMIZER_STATES` with
-the state bytes that optimizer keeps, its `output_spec` empty or a treespec with one leaf per
-result.  Nothing raises: what cannot be checked (an op fake mode cannot run,
+the state bytes that optimizer keeps, its `output_spec` empty or a treespec
+with one leaf per result, and a plan that includes its loss (`has_loss`)
+returns one tensor of one element, as the tracer requires of a loss.
+Nothing raises: what cannot be checked (an op fake mode cannot run,
 one whose outputs depend on the data) is reported as an error.
 
 torch is imported on the first call, not with the module.
@@ -108,6 +118,18 @@ def _significant_strides(shape, stride) -> list:
     if any(d == 0 for d in shape):
         return []
     return [(i, s) for i, (d, s) in enumerate(zip(shape, stride)) if d != 1]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _spec_kind(spec) -> str:
+    t = getattr(spec, "type", None)
+    return getattr(t, "__name__", "structure") if t is not None else "structure"
 
 
 def _first_line(e: BaseException) -> str:
@@ -227,6 +249,20 @@ class _Checker:
                     self.err(loc("output_spec"), f"output_spec has {spec.num_leaves} "
                                                  f"lea{'f' if spec.num_leaves == 1 else 'ves'}, but the plan "
                                                  f"has {results} forward result{'' if results == 1 else 's'}")
+                elif h.has_loss and not spec.is_leaf():
+                    self.err(loc("output_spec"), f"the plan includes its loss (has_loss true), but output_spec "
+                                                 f"makes the step return a {_spec_kind(spec)} of {results}, not "
+                                                 f"the loss itself; a loss is one tensor of one element: write "
+                                                 f"the leaf spec the tracer wrote")
+        if h.has_loss:
+            results = [self.values.get(o.value) for o in self.p.outputs if o.kind == RESULT]
+            if len(results) != 1 or (results[0] is not None and all(_is_int(d) for d in results[0].shape)
+                                     and _numel(results[0].shape) != 1):
+                what = (f"{len(results)} results" if len(results) != 1
+                        else f"a result of shape {list(results[0].shape)}")
+                self.err(loc("has_loss"), f"the plan includes its loss (has_loss true), but its step returns "
+                                          f"{what}, not one tensor of one element: a training step cannot call "
+                                          f".backward() on it")
 
     def check_tangents(self) -> None:
         results = [o for o in self.p.outputs if o.kind == RESULT]
@@ -468,28 +504,32 @@ class _Checker:
             self.err(loc, f"node {n.name}: an argument of {n.op} cannot be made: {e}")
             return
         try:
-            self.run_op(loc, n, op, refs, args, kwargs)
+            results = self.run_op(loc, n, op, refs, args, kwargs)
         finally:
             self.evict_changed(env)
+        if results is not None:
+            self.check_scalars(loc, n, op, results)
 
-    def run_op(self, loc: Loc, n, op, refs: list, args: list, kwargs: dict) -> None:
+    def run_op(self, loc: Loc, n, op, refs: list, args: list, kwargs: dict) -> list | None:
+        """Run the op on the fakes; its results, or None when it cannot run
+        (reported)."""
         ft = self.ft
         try:
             result = op(*args, **kwargs)
         except (ft.DynamicOutputShapeException, ft.DataDependentOutputException) as e:
             self.err(loc, f"node {n.name}: the output of {n.op} depends on the data, which a static plan "
                           f"cannot hold ({type(e).__name__}); its outputs cannot be checked")
-            return
+            return None
         except ft.UnsupportedOperatorException as e:
             self.err(loc, f"node {n.name}: {n.op} cannot run under FakeTensorMode in this PyTorch build "
                           f"({_first_line(e)}), so its outputs cannot be checked")
-            return
+            return None
         except Exception as e:
             sig = ", ".join(f"{r} {_type(self.values[r].dtype, self.values[r].shape)}"
                             for r in dict.fromkeys(refs))
             self.err(loc, f"node {n.name}: {n.op} cannot run on the declared operands"
                           f"{' (' + sig + ')' if sig else ''}: {_first_line(e)}")
-            return
+            return None
         torch = self.torch
         results = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
         if len(n.outputs) > len(results):
@@ -538,3 +578,131 @@ class _Checker:
                 else:
                     self.err(vloc, f"{name} is declared a view of {v.storage}, but {n.op} (node {n.name}) "
                                    f"returns a view of {owner}")
+        return results
+
+    # ------------------------------------------------------ literal scalars
+
+    def check_scalars(self, loc: Loc, n, op, results: list) -> None:
+        """The literal numbers of a node the kernel checks and the fake run
+        does not: a probability outside [0, 1], a fill value the output's
+        dtype cannot hold, and (on CPU plans) whatever the CPU kernel of a
+        pointwise op refuses of its scalars (an integer divided by 0, raised
+        to a negative power, clamped at 2**63)."""
+        torch = self.torch
+        self.check_output_mask(loc, n, op, results)
+        at = _PROBABILITY.get(n.op)
+        if at is not None:
+            p = _literal(_arg_at(n, *at))
+            train = _arg_at(n, 2, "train") if n.op == "aten.native_dropout.default" else True
+            if p is not None and train is not False and not 0 <= p <= 1:
+                self.err(loc, f"node {n.name}: {n.op} takes a probability p in [0, 1], but p is {p!r}; the "
+                              f"kernel refuses it when the plan runs")
+            return
+        at = _FILL.get(n.op)
+        if at is not None:
+            value = _literal(_arg_at(n, *at))
+            v = self.values.get(n.outputs[0]) if n.outputs and n.outputs[0] else None
+            dtype = getattr(torch, v.dtype, None) if v is not None else None
+            if value is None or not isinstance(dtype, torch.dtype):
+                return
+            with self.ft.unset_fake_temporarily():
+                try:
+                    torch.empty(2, dtype=dtype).fill_(value)
+                except Exception as e:  # noqa: BLE001 - what the kernel says is the diagnostic
+                    self.err(loc, f"node {n.name}: {n.op} fills a tensor of {v.dtype} with {value!r}, which "
+                                  f"{v.dtype} cannot hold ({_first_line(e)}); the kernel refuses it when "
+                                  f"the plan runs")
+            return
+        if self.device.type == "cpu" and torch.Tag.pointwise in op.tags \
+                and torch.Tag.nondeterministic_seeded not in op.tags:
+            self.probe_pointwise(loc, n, op)
+
+    def check_output_mask(self, loc: Loc, n, op, results: list) -> None:
+        """A backward op's `output_mask` (native_batch_norm_backward,
+        convolution_backward, ...): where it is false, the kernel returns no
+        tensor (None), while the fake run returns one all the same; a node
+        naming an output there would hand None to its readers."""
+        for k, a in enumerate(op._schema.arguments):
+            if a.name != "output_mask":
+                continue
+            mask = n.args[k] if len(n.args) > k else n.kwargs.get(a.name)
+            if not isinstance(mask, Seq):
+                continue
+            for i, item in enumerate(mask.items):
+                value = _literal(item)
+                off = item is None or (value is not None and not value)
+                if off and i < len(n.outputs) and n.outputs[i] and i < len(results) and results[i] is not None:
+                    shown = "none" if item is None else "false" if item is False else repr(item)
+                    self.err(loc, f"node {n.name}: output_mask[{i}] of {n.op} is {shown}, so the kernel "
+                                  f"returns no output {i} (None), but the node names it {n.outputs[i]}; "
+                                  f"write `_` for that output, or true in the mask")
+
+    def probe_pointwise(self, loc: Loc, n, op) -> None:
+        """Run a pointwise op with literal numbers for real, on two-element
+        tensors of ones of its operands' declared dtypes: its CPU kernel
+        checks the scalars (their values, against those dtypes) as at run
+        time, which the fake run does not.  Shapes do not matter to a
+        pointwise op; the data (ones) divides and raises to any power."""
+        torch = self.torch
+        items = list(n.args) + list(n.kwargs.values())
+        if not any(_literal(a) is not None for a in items) or any(isinstance(a, Seq) for a in items):
+            return
+
+        def real(a):
+            if isinstance(a, Ref):
+                return torch.ones(2, dtype=getattr(torch, self.values[a.name].dtype))
+            if isinstance(a, Special):
+                return float(a.name)
+            if isinstance(a, (DType, Layout, MemoryFormat)):
+                return getattr(torch, a.name)
+            if isinstance(a, Device):
+                return torch.device(a.name)
+            return a
+
+        with self.ft.unset_fake_temporarily():
+            try:
+                op(*[real(a) for a in n.args], **{k: real(a) for k, a in n.kwargs.items()})
+            except Exception as e:  # noqa: BLE001 - what the kernel says is the diagnostic
+                self.err(loc, f"node {n.name}: {n.op} refuses its arguments when the plan runs: "
+                              f"{_first_line(e)} (the CPU kernel, run on two elements of the declared "
+                              f"dtypes)")
+
+
+# Ops whose kernel checks a probability argument the fake run does not:
+# op -> (index, name) of `p`.
+_PROBABILITY = {
+    "aten.bernoulli_.float": (1, "p"),
+    "aten.bernoulli.p": (1, "p"),
+    "aten.native_dropout.default": (1, "p"),
+    "remat.dropout_keep.default": (1, "p"),
+}
+# Ops that fill their output with a scalar the kernel converts to the
+# output's dtype, refusing one it cannot hold (300 in uint8, 2**63 in int64,
+# 1e10 in float16, inf in an integer dtype): op -> (index, name) of the value.
+# `empty(2, dtype).fill_(value)` makes exactly that check.
+_FILL = {
+    "aten.full.default": (1, "fill_value"),
+    "aten.full_like.default": (1, "fill_value"),
+    "aten.new_full.default": (2, "fill_value"),
+    "aten.fill.Scalar": (1, "value"),
+    "aten.fill_.Scalar": (1, "value"),
+    "aten.masked_fill.Scalar": (2, "value"),
+    "aten.masked_fill_.Scalar": (2, "value"),
+}
+
+
+def _arg_at(n, index: int, name: str):
+    return n.args[index] if len(n.args) > index else n.kwargs.get(name)
+
+
+def _literal(a):
+    """A literal number argument as Python has it (a Special as its float),
+    or None for anything else."""
+    if isinstance(a, Special):
+        try:
+            return float(a.name)
+        except ValueError:
+            return None
+    if isinstance(a, (bool, int, float)):
+        return a
+    return None

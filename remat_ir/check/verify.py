@@ -39,12 +39,16 @@ The rules (the runtime semantics the interpreter and autograd implement):
 * the graph is consistent: names are declared and unique, shapes, strides and
   byte counts agree, views name their storage owner, outputs are well formed
   (a gradient has its parameter's shape and dtype), every trainable parameter
-  that some node reads gets a gradient;
+  that some node reads gets a gradient, list arguments nest at most 32 deep
+  (`MAX_NESTING`);
 * the graph is what PyTorch computes (`remat_ir.check.typecheck`, skipped with
   `graph=False`): every op exists, and run under FakeTensorMode on the declared
   operands it produces each output's declared dtype, shape, strides, bytes and
-  storage owner; `random` and `mutates(...)` say what the op does; the header's
-  device, optimizer, output_spec and the tangents' sources are ones the
+  storage owner; `random` and `mutates(...)` say what the op does; literal
+  numbers the kernels check and the fake run does not (a probability, a fill
+  value, an `output_mask`, a pointwise op's scalars) are ones they take; the
+  header's device (`cpu`, `cuda`, `cuda:N`, as `device(...)` arguments),
+  optimizer, output_spec, has_loss and the tangents' sources are ones the
   runtime accepts;
 * the graph section and the header facts derived from the model still hash
   to the header's fingerprint (they were not edited after compiling), and

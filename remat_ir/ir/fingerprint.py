@@ -14,6 +14,7 @@ matches.  An empty fingerprint (a hand-written plan) is not checked.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import msgspec
 
@@ -44,4 +45,25 @@ def fingerprint(program: Program) -> str:
 
 def _facts(struct) -> dict:
     d = msgspec.to_builtins(struct)
+    _special_floats(d)
     return {k: d[k] for k in sorted(d) if k not in _NOT_HASHED}
+
+
+_SPECIAL = {"type": "special"}  # how a Special argument hashes: {"type": "special", "name": "inf"}
+
+
+def _special_floats(obj) -> None:
+    """Replace, in place, every infinite or NaN float in `obj` (a node's
+    arguments, made in memory) by the Special argument it means, `inf`,
+    `-inf` or `nan`, as the runtime runs both alike.  JSON has no such
+    numbers: msgspec writes each as `null`, which would hash `inf` as `none`,
+    so an argument edited from one to the other kept the fingerprint.
+    Finite floats are untouched, so no fingerprint written before changes."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        for k, x in (o.items() if isinstance(o, dict) else enumerate(o)):
+            if type(x) is float and not math.isfinite(x):
+                o[k] = dict(_SPECIAL, name="nan" if x != x else "inf" if x > 0 else "-inf")
+            elif isinstance(x, (dict, list)):
+                stack.append(x)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -683,7 +684,9 @@ class _Reader:
         m = _FLOAT.match(s, i)
         if m is not None:
             self.i = m.end()
-            return float(m.group())
+            x = float(m.group())
+            # Past the largest float (1e999): infinity, read as `inf` is.
+            return x if math.isfinite(x) else Special("inf" if x > 0 else "-inf")
         m = _INT.match(s, i)
         if m is not None:
             self.i = m.end()
