@@ -4,6 +4,13 @@ at a line (by the parser or by the verifier), or it runs right: gradients
 bitwise equal to eager PyTorch and the measured peak as predicted.  It is
 never "sound" and wrong.
 
+Header values (device, optimizer and its bytes, cost, budget, output_spec,
+has_loss) and argument literals (floats with inf, nan and `1e999`, integers
+past int64, strings, nested lists, None, devices) are edited too, half the
+time with the fingerprint blanked (a hand-written plan): then the promise is
+"sound means runnable": refused at a line, or `remat-run --check` runs it
+(its numbers may differ from eager's: the model check would say so).
+
 REMAT_TRUST_EXAMPLES sets the number of edits (500 by default);
 REMAT_TRUST_RANDOM=1 draws other edits than CI's fixed ones."""
 from __future__ import annotations
@@ -19,10 +26,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat_ir
-from remat_ir.ir import BACKWARD, COMPUTE, FORWARD, FREE, GRAD, RECOMPUTE, TANGENT, Instr, Ref
+from remat_ir.ir import (
+    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, PARAM, RECOMPUTE, TANGENT, Budget, Device, Instr, Ref, Seq, Special,
+)
 from remat_ir.ir.parser import parse_program
 from remat_ir.ir.printer import format_program
 from remat_ir.ir.syntax import RirSyntaxError
+from remat_ir.ir.types import OPTIMIZER_STATES
+from remat_ir.runtime.bind import PlanMismatch
 from remat_ir.runtime.load import LoadedModel
 from remat_ir.runtime.run import run_plan
 
@@ -67,8 +78,10 @@ OPS = ["aten.relu.default", "aten.sigmoid.default", "aten.tanh.default", "aten.n
        "aten.t.default", "aten.clone.default"]
 
 
-def edit_graph(p, data) -> None:
-    what = data.draw(st.sampled_from(["op", "arg", "value", "flags", "grads", "header", "tangent"]))
+def edit_graph(p, data) -> str:
+    """Edit the graph section or the header; returns what kind of edit."""
+    what = data.draw(st.sampled_from(["op", "arg", "value", "flags", "grads", "header", "header", "tangent", "literal",
+                                      "literal"]))
     fwd = [n for n in p.nodes if n.args]
     if what == "op":
         n = data.draw(st.sampled_from(fwd))
@@ -110,21 +123,82 @@ def edit_graph(p, data) -> None:
         a, b = data.draw(st.permutations(grads))[:2]
         a.value, b.value = b.value, a.value
     elif what == "header":
-        h = p.header
-        field = data.draw(st.sampled_from(["device", "optim", "bytes", "spec", "loss"]))
-        if field == "device":
-            h.device = "tpu"
-        elif field == "optim":
-            h.optim = "lion"
-        elif field == "bytes":
-            h.optim_state_bytes += 4096
-        elif field == "spec":
-            h.output_spec = "not json"
-        else:
-            h.has_loss = not h.has_loss
+        edit_header(p, data)
+    elif what == "literal":
+        edit_literal(p, data)
     else:
         t = next(v for v in p.values if v.kind == TANGENT)
         t.source = data.draw(st.sampled_from(["7", "-1", "x"]))
+    return what
+
+
+# A float that prints as itself and stands for `1e999` in the text (replaced
+# after printing: a float that large is infinity, which prints as `inf`).
+BIG = 1.2345e300
+BIG_TEXT = "1.2345e+300"
+TUPLE_SPEC_2 = '[1, {"type": "builtins.tuple", "context": "null", "children_spec": [' \
+    '{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]'
+
+
+def edit_header(p, data) -> None:
+    h = p.header
+    field = data.draw(st.sampled_from(["device", "optim", "bytes", "cost", "budget", "spec", "loss"]))
+    if field == "device":
+        h.device = data.draw(st.sampled_from(["tpu", "meta", "mps", "xpu", "cpu:0", "cuda:128", "cuda:-1", "garbage",
+                                              "", " cpu", "cpu", "cuda", "cuda:0"]))
+    elif field == "optim":
+        h.optim = data.draw(st.sampled_from(["lion", "", "sgd", "adam", "none"]))
+        if h.optim in OPTIMIZER_STATES and data.draw(st.booleans()):  # with its right bytes
+            h.optim_state_bytes = OPTIMIZER_STATES[h.optim] * sum(
+                v.nbytes for v in p.values if v.kind == PARAM and v.requires_grad)
+    elif field == "bytes":
+        h.optim_state_bytes = data.draw(st.sampled_from([h.optim_state_bytes + 4096, -1, 2 ** 70]))
+    elif field == "cost":
+        h.cost = data.draw(st.sampled_from(["flops", "profile", "bogus"]))
+    elif field == "budget":
+        h.budget = data.draw(st.sampled_from([None, Budget(0), Budget(1 << 62), Budget(1 << 62, "activations"),
+                                              Budget(-1), Budget(10 ** 30), Budget(10 ** 6, "bogus")]))
+    elif field == "spec":
+        h.output_spec = data.draw(st.sampled_from(["not json", "", "[1, {}]", TUPLE_SPEC_2]))
+    else:
+        h.has_loss = not h.has_loss
+
+
+def literals():
+    """Argument literals, the ones the runtime takes and the others."""
+    scalars = st.one_of(
+        st.floats(), st.sampled_from([BIG, -BIG, 1e308, -0.0, 0.7, 1.5]),
+        st.integers(), st.sampled_from([2 ** 63 - 1, 2 ** 63, -2 ** 63 - 1, 2 ** 64, 10 ** 30, 0, 1, -1]),
+        st.text(max_size=3), st.none(), st.booleans(),
+        st.builds(Special, st.sampled_from(["inf", "-inf", "nan"])),
+        st.builds(Device, st.sampled_from(["cpu", "meta", "cuda:0"])),
+    )
+    return st.one_of(scalars, st.recursive(scalars, lambda inner: st.builds(Seq, st.lists(inner, max_size=3)),
+                                           max_leaves=4),
+                     st.integers(30, 40).map(lambda d: _nested(d)))
+
+
+def _nested(depth: int) -> Seq:
+    a = Seq([1])
+    for _ in range(depth - 1):
+        a = Seq([a])
+    return a
+
+
+def edit_literal(p, data) -> None:
+    """One argument, or one item of a list argument, of some node becomes a
+    drawn literal (most often one that is a literal already: not a tensor)."""
+    slots = []  # (container, key, is a literal now)
+    for n in p.nodes:
+        for i, a in enumerate(n.args):
+            slots.append((n.args, i, not isinstance(a, Ref)))
+            if isinstance(a, Seq):
+                slots += [(a.items, k, not isinstance(x, Ref)) for k, x in enumerate(a.items)]
+        for k, a in n.kwargs.items():
+            slots.append((n.kwargs, k, not isinstance(a, Ref)))
+    literal = [s for s in slots if s[2]]
+    container, key, _ = data.draw(st.sampled_from(literal if literal and data.draw(st.integers(0, 3)) else slots))
+    container[key] = data.draw(literals())
 
 
 def edit_schedule(p, data) -> None:
@@ -168,12 +242,17 @@ def refused_at_a_line(text: str) -> bool | None:
 def test_an_edited_plan_is_refused_at_a_line_or_runs_right(base, data):
     module, x, plan = base
     p = msgspec.convert(msgspec.to_builtins(plan), type(plan))  # a deep copy
-    if data.draw(st.integers(0, 2), label="edit the schedule") < 2:
+    hand_written = False
+    if data.draw(st.sampled_from(["schedule", "schedule", "graph"]), label="edit") == "schedule":
         edit_schedule(p, data)
     else:
-        edit_graph(p, data)
+        what = edit_graph(p, data)
+        if what in ("header", "literal") and data.draw(st.booleans(), label="blank the fingerprint"):
+            p.header.fingerprint = ""
+            hand_written = True
+        event(f"{what} edit" + (", fingerprint blanked" if hand_written else ""))
     try:
-        text = format_program(p)
+        text = format_program(p).replace(BIG_TEXT, "1e999")
     except ValueError:
         event("not printable")
         return  # no plan to judge
@@ -186,8 +265,22 @@ def test_an_edited_plan_is_refused_at_a_line_or_runs_right(base, data):
     # Called sound: it must run right.  check_model=False: the verifier's
     # word alone, not the model check wrap adds.
     model = LoadedModel("tiny", copy.deepcopy(module), (x,), tiny_loss)
-    r = run_plan(parse_program(text), model, steps=1, check=True, check_model=False)
+    sound = parse_program(text)
+    if hand_written:
+        # No fingerprint ties the graph to the model (the model check does,
+        # off here): the plan must run, right or not.
+        if torch.device(sound.header.device).type != "cpu":
+            event("hand-written, sound, for a GPU: not run here")
+            return
+        try:
+            run_plan(sound, model, steps=1, check=True, check_model=False)
+        except PlanMismatch as e:  # remat-run's word for a step that is no loss (exit 2)
+            assert not sound.header.has_loss and "not a scalar loss" in str(e), ("sound but not runnable", e, text)
+        event("hand-written, sound: ran")
+        return
+    r = run_plan(sound, model, steps=1, check=True, check_model=False)
     assert r.grads_bitwise, ("sound but wrong", r.checks, text)
+    assert all(c.loss_equal for c in r.checks), ("sound but the loss differs", r.checks, text)
     assert r.within_tolerance(), ("sound but mispredicted", r.predicted.peak_bytes, r.measured_peak, text)
 
 
