@@ -14,6 +14,7 @@ import pytest
 
 import remat_ir
 from remat_ir.ir import MAX_NESTING, Ref, Seq, arg_depth, arg_refs, node_inputs
+from remat_ir.ir.fingerprint import fingerprint as fingerprint_of
 from remat_ir.ir.parser import parse_program
 from remat_ir.ir.printer import format_program
 from remat_ir.ir.syntax import RirSyntaxError
@@ -99,7 +100,8 @@ def test_walkers_over_arguments_take_any_depth():
 def test_the_verifier_refuses_a_program_nested_too_deep_built_in_memory():
     """Made in memory, the program never met the reader: the verifier says
     where (the node's line), and nothing in it recurses (fingerprint check,
-    type check), the printer refuses to write it, the runtime to run it."""
+    type check), the printer and the fingerprint refuse it, the runtime
+    refuses to run it."""
     from remat_ir.runtime.bind import PlanMismatch
     from remat_ir.runtime.interpret import Executable
 
@@ -116,6 +118,8 @@ def test_the_verifier_refuses_a_program_nested_too_deep_built_in_memory():
         assert all("RecursionError" not in m and "type checker failed" not in m for _, m in msgs), msgs
         with pytest.raises(ValueError, match="nested more than 32 deep"):
             format_program(p)
+        with pytest.raises(ValueError, match="nested more than 32 deep"):
+            fingerprint_of(p)
         with pytest.raises(PlanMismatch, match="nested more than 32 deep"):
             Executable(p)
     p = parse_program(PLAN)

@@ -18,7 +18,7 @@ import math
 
 import msgspec
 
-from remat_ir.ir.types import Program
+from remat_ir.ir.types import MAX_NESTING, Program, arg_depth
 
 # Fields that do not change what the plan computes: where it was printed,
 # and what recomputing an op is believed to cost.
@@ -31,6 +31,9 @@ def fingerprint(program: Program) -> str:
     """16 hex digits of a hash of `program`'s header fields derived from the
     model and of its graph section."""
     h = program.header
+    for n in program.nodes:  # (msgspec recurses into lists: a deeper one is no plan's)
+        if any(arg_depth(a, MAX_NESTING) > MAX_NESTING for a in list(n.args) + list(n.kwargs.values())):
+            raise ValueError(f"node {n.name}: an argument has lists nested more than {MAX_NESTING} deep")
     content = {
         # Rewrites only when there are some, so plans without any keep their fingerprints.
         # Later fields only when set, so plans without them keep their fingerprints.
