@@ -314,6 +314,32 @@ def test_decomposition_finds_repeated_blocks(stacked12):
     assert fixed  # the block inputs are the checkpoints
 
 
+def test_large_block_is_cut_along_its_sub_blocks(monkeypatch):
+    """A block with more than SPLIT_DECISIONS decisions (T5's decoder block:
+    118 of its 203) is cut along the list inside it (`outer.0.blocks.i`);
+    its sub-blocks are then found repeated like blocks.  At or under the
+    limit the block stays whole."""
+    import remat_ir.optimize.blocks as blocks
+
+    p = stacked_program(6)
+    for n in p.nodes:  # one outer block `outer.0` holding the list `blocks`
+        if n.module.startswith("blocks."):
+            n.module = "outer.0." + n.module
+    a = Analysis(p, "activations")
+    n_dec = blocks._n_decisions(a, [i for i, n in enumerate(a.fwd) if n.module.startswith("outer.0")])
+    monkeypatch.setattr(blocks, "SPLIT_DECISIONS", n_dec)
+    segs, _ = blocks.segments(a)
+    assert len([s for s in segs if s.decisions]) == 1
+    monkeypatch.setattr(blocks, "SPLIT_DECISIONS", n_dec - 1)
+    segs, fixed = blocks.segments(a)
+    assert len(segs) == 6 and len({s.signature for s in segs}) <= 3
+    assert all(s.name.startswith(f"outer.0.blocks.{i}") for i, s in enumerate(segs))
+    assert fixed
+    assert blocks.sub_key("decoder.block.0.layer.1.EncDecAttention.k", "decoder.block.0") == "decoder.block.0.layer.1"
+    assert blocks.sub_key("decoder.block.0.final_norm", "decoder.block.0") is None
+    assert blocks.sub_key("decoder.block.10.layer.1", "decoder.block.1") is None
+
+
 def test_decomposed_quality_vs_flat():
     """On a graph small enough for the flat MILP, the decomposed plan costs
     at most a little more (and never less: the flat MILP is exact)."""

@@ -12,6 +12,13 @@ shape), output shapes, sizes and aliasing, and the backward stages reading
 each storage relative to the segment's first one -- not the names, so the
 layer index is ignored.
 
+A block with more than SPLIT_DECISIONS decisions is cut along the next
+list index inside it when it has one (T5's ``decoder.block.0.layer.1``: its
+self-attention, cross-attention and feed-forward sub-layers): a block's
+option MILPs grow with its decisions times the memory rows they learn, and
+on T5 (one decoder block of 118 decisions, most of the graph) its least-peak
+MILPs alone took minutes where the sub-layers' take seconds.
+
 Storages read across segments are kept (they are the checkpoints between
 blocks); each storage is *assigned* to the segment whose forward pass
 consumes it last, so its bytes are counted once.
@@ -22,6 +29,12 @@ import hashlib
 from dataclasses import dataclass, field
 
 from remat_ir.optimize.family import UNIT, Analysis
+
+
+# A block with more decisions than this is cut along the next list index
+# inside it, when it has one (see the module's docstring).  The blocks of the
+# decoder-only families hold at most about 60.
+SPLIT_DECISIONS = 80
 
 
 def block_key(module: str) -> str | None:
@@ -38,6 +51,58 @@ def block_key(module: str) -> str | None:
     if last is None:
         return None
     return ".".join(parts[:last + 1])
+
+
+def sub_key(module: str, key: str) -> str | None:
+    """Within block `key` (`decoder.block.0`): `decoder.block.0.layer.1.EncDecAttention.k`
+    -> `decoder.block.0.layer.1` (up to the next list index); None when there is none."""
+    if not module or not module.startswith(key + "."):
+        return None
+    parts = module.split(".")
+    for i in range(key.count(".") + 1, len(parts)):
+        if parts[i].isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _runs(keys: list, idx: list[int]) -> list[tuple[str | None, list[int]]]:
+    """Contiguous runs of equal keys over `idx` (keys[k] for idx[k]); a key
+    seen in two runs (interleaved code) merges everything in between."""
+    runs: list[tuple[str | None, list[int]]] = []
+    for k, i in zip(keys, idx):
+        if runs and runs[-1][0] == k:
+            runs[-1][1].append(i)
+        else:
+            runs.append((k, [i]))
+    merged: list[tuple[str | None, list[int]]] = []
+    for k, ii in runs:
+        if k is not None:
+            j = next((m for m in range(len(merged)) if merged[m][0] == k), None)
+            if j is not None:
+                allidx = [i for _, jj in merged[j:] for i in jj] + ii
+                merged = merged[:j] + [(k, allidx)]
+                continue
+        merged.append((k, ii))
+    return merged
+
+
+def _split(a: Analysis, key: str, idx: list[int]) -> list[tuple[str, list[int]]]:
+    """Block `key`'s nodes cut along the next list index inside it
+    (`sub_key`); nodes outside any sub-block join the sub-block before them
+    (the first one's, those before it).  Returns [(key, idx)] when there is
+    nothing to cut."""
+    keys = [sub_key(a.fwd[i].module, key) for i in idx]
+    first = next((k for k in keys if k is not None), None)
+    if first is None:
+        return [(key, idx)]
+    prev = first
+    for n, k in enumerate(keys):
+        if k is None:
+            keys[n] = prev
+        else:
+            prev = k
+    out = _runs(keys, idx)
+    return out if len(out) >= 2 else [(key, idx)]
 
 
 @dataclass
@@ -60,23 +125,13 @@ def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[in
     (node -> 1) because their storage crosses segments."""
     nf = a.nf
     keys = [block_key(n.module) for n in a.fwd]
-    # Contiguous runs of the same key; unkeyed runs are their own segments.
-    runs: list[tuple[str | None, list[int]]] = []
-    for i, k in enumerate(keys):
-        if runs and runs[-1][0] == k:
-            runs[-1][1].append(i)
-        else:
-            runs.append((k, [i]))
-    # A key seen in two runs (interleaved code): merge everything in between.
-    merged: list[tuple[str | None, list[int]]] = []
-    for k, idx in runs:
-        if k is not None:
-            j = next((m for m in range(len(merged)) if merged[m][0] == k), None)
-            if j is not None:
-                allidx = [i for _, ii in merged[j:] for i in ii] + idx
-                merged = merged[:j] + [(k, allidx)]
-                continue
-        merged.append((k, idx))
+    # Contiguous runs of the same key (unkeyed runs are their own segments);
+    # a key seen in two runs (interleaved code) merges everything in between.
+    merged = _runs(keys, list(range(nf)))
+    # Blocks too large for their option MILPs: cut along the sub-blocks.
+    merged = [r for k, idx in merged
+              for r in (_split(a, k, idx) if k is not None and _n_decisions(a, idx) > SPLIT_DECISIONS
+                        else [(k, idx)])]
     # Small runs outside the repeated blocks (embedding, head, loss) join the
     # neighbouring block, so the storage between them (the first block's
     # input, the last block's output) can be recomputed rather than kept.
