@@ -12,7 +12,8 @@ The runtime path (load a plan, run it) imports torch and msgspec only.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+# In a leaf module, so that a submodule needing it does not import the package (whose __getattr__ imports it).
+from remat_ir.version import __version__  # noqa: F401
 
 __all__ = ["compile", "wrap", "load_plan", "save_plan", "trace_module", "verify", "simulate"]
 

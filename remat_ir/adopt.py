@@ -113,8 +113,9 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     if _uses_fsdp(model):
         from remat_ir.runtime.fsdp import FSDPRemat
 
-        return FSDPRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
-                         time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans)
+        return FSDPRemat(model, loss, unit_planner=AutoRemat, budget=budget, scope=scope, optimizer=optimizer,
+                         cost=cost, effort=effort, time_limit=time_limit, solver=solver, cache=cache,
+                         max_plans=max_plans)
     return AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
                      time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans)
 
@@ -211,11 +212,11 @@ class AutoRemat(WrappedModule):
             return PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
 
     def _key(self, program) -> str:
-        import remat_ir
+        from remat_ir.version import __version__
 
         o = self.options
         facts = {"fingerprint": program.header.fingerprint, "torch": torch.__version__,
-                 "remat_ir": remat_ir.__version__, **{k: repr(v) for k, v in sorted(o.items())}}
+                 "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -49,7 +49,7 @@ from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 
 __all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "check_budget", "check_time_limit",
-           "compile", "fit", "plan_device", "trace"]
+           "compile", "fit", "plan_device", "trace", "trace_builtin"]
 
 # The optimizer's safety stop in seconds (its search is bounded by counts, not
 # time; see remat_ir.optimize.search.Settings).
@@ -192,6 +192,18 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
         program.header.comment.append(f"op costs: median of {profile_repeats} timed runs on "
                                       f"{program.header.device}")
     return program
+
+
+def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *, fake: bool = False,
+                  device: str = "cpu") -> Program:
+    """Trace a built-in model (see `remat_ir.models`) with its default inputs
+    (`remat_ir.trace.tracer.trace_module`, as the model is loaded by
+    `remat_ir.runtime.load.load_model`)."""
+    from remat_ir.runtime.load import load_model
+    from remat_ir.trace.tracer import trace_module
+
+    m = load_model(name, batch=batch, seq=seq, device=device, fake=fake)
+    return trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name, fake=fake, device=device)
 
 
 def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_limit: float = TIME_LIMIT,

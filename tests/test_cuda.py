@@ -84,7 +84,7 @@ def test_recomputed_dropout_replays_philox(tag):
 def test_plan_made_on_cpu_is_the_cuda_trace():
     """The device-neutral plan (made on CPU) is op for op what tracing on
     CUDA records for the built-in GPT-2."""
-    from remat_ir.runtime.bind import _first_difference
+    from remat_ir.runtime.bind import first_difference
     from remat_ir.runtime.load import load_model
     from remat_ir.trace.rewrites import is_neutral
     from remat_ir.trace.tracer import trace_module
@@ -99,7 +99,7 @@ def test_plan_made_on_cpu_is_the_cuda_trace():
     assert is_neutral(plan)
     m = load_model("gpt2-tiny", device="cuda")
     fresh = trace_module(m.module, m.inputs, loss_fn=m.loss, model_name="gpt2-tiny", fake=True, device="cuda")
-    assert _first_difference(plan, fresh) == ("", 0)
+    assert first_difference(plan, fresh) == ("", 0)
 
 
 def test_outer_autocast_other_than_the_plans_is_refused_on_cuda():

@@ -15,7 +15,8 @@ from remat_ir.runtime.bind import PlanMismatch
 from remat_ir.runtime.interpret import wrap
 from remat_ir.runtime.load import load_model
 from remat_ir.trace.rewrites import DeviceError, device_neutral, is_neutral, retarget
-from remat_ir.trace.tracer import trace_builtin, trace_module
+from remat_ir.pipeline import trace_builtin
+from remat_ir.trace.tracer import trace_module
 
 # With a CUDA device, a CUDA trace is made under fake CUDA tensors, not device-neutral.
 neutral = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the trace made without a CUDA device")

@@ -4,8 +4,11 @@ A static check reads every module of `remat_ir` with `ast` and sees every
 import statement, those inside functions, methods and `try` blocks included
 (`from x import y` resolved to the module x.y when there is one, relative
 imports resolved, `importlib.import_module("literal")` counted).  The rules
-are the table `RULES` (direct imports of some modules) and `CLOSURES` (what a
-module may reach, following imports transitively, function-level ones too).
+are the table `RULES` (direct imports of some modules), `CLOSURES` (what a
+module may reach, following imports transitively, function-level ones too),
+and two rules of every module: no import cycle between the modules of
+`remat_ir`, nor between its packages (`check_cycles`), and no private name (a leading underscore)
+imported from another package, by the package or by tools/ (`check_private`).
 
 A package's lazy `__getattr__` (`remat_ir.__init__`) is a dispatcher: the
 imports under `if name == "wrap":` run only when `remat_ir.wrap` is asked for,
@@ -51,7 +54,8 @@ class Rule:
 class Closure:
     """What the modules `roots` import, transitively (module- and
     function-level imports, and the `__init__` of every package on the way),
-    reaches nothing under `forbid`."""
+    reaches nothing under `forbid`.  A root that is a package stands for
+    every module under it."""
 
     id: str
     text: str
@@ -80,15 +84,20 @@ RULES = (
          applies=("remat_ir.check.typecheck",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("c", "remat_ir.check.simulate imports of remat_ir only remat_ir.ir",
          applies=("remat_ir.check.simulate",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
-    Rule("e", "remat_ir.cli.commands imports public names of remat_ir only, and not torch, numpy, "
-              "scipy or cvxpy (it parses arguments, calls the API, prints)",
-         applies=("remat_ir.cli.commands",), forbid=("torch",) + NUMERIC, public_only=True),
+    Rule("e", "every module of remat_ir.cli imports public names of remat_ir only (the commands call "
+              "the API, not the stages' internals)",
+         applies=("remat_ir.cli",), public_only=True),
+    Rule("e", "no module of remat_ir.cli but remat_ir.cli.bench imports torch, numpy, scipy or cvxpy "
+              "(they parse arguments, call the API, print; remat-bench runs eager PyTorch and "
+              "torch.utils.checkpoint beside the plans it times)",
+         applies=("remat_ir.cli",), exempt=("remat_ir.cli.bench",), forbid=("torch",) + NUMERIC),
 )
 
 CLOSURES = (
-    Closure("d", "the runtime path (loading a plan, wrapping a model, running a step) never imports "
-                 "the optimizer, cvxpy, scipy, or lark (the grammar's test oracle)",
-            roots=("remat_ir.runtime.interpret", "remat_ir.runtime.run", "remat_ir.ir.files"),
+    Closure("d", "the runtime path (loading a plan, wrapping a model, running a step: every module of "
+                 "remat_ir.runtime) never imports the optimizer, cvxpy, scipy, or lark (the grammar's "
+                 "test oracle)",
+            roots=("remat_ir.runtime", "remat_ir.ir.files"),
             forbid=("remat_ir.optimize", "cvxpy", "scipy", "lark")),
 )
 
@@ -308,11 +317,16 @@ def _link(importer: str, imp: Import, target: str) -> str:
     return f"{imp.path}:{imp.line} {importer} -> {target}" + (f" (through {imp.via})" if imp.via else "")
 
 
+def closure_roots(modules: dict[str, Module], rule: Closure) -> list[str]:
+    """The modules `rule.roots` names: a package's modules all, itself first."""
+    return list(dict.fromkeys(m for r in rule.roots for m in [r] + sorted(modules) if under(m, r)))
+
+
 def check_closures(modules: dict[str, Module], closures=CLOSURES) -> list[Violation]:
     out = []
     for rule in closures:
         seen: set[Import] = set()  # each offending import once, from the first root reaching it
-        for root in rule.roots:
+        for root in closure_roots(modules, rule):
             # Breadth first: the chain reported is a shortest one.
             # Importing the root runs the packages above it first.
             start = [".".join(root.split(".")[:i]) for i in range(1, root.count(".") + 2)]
@@ -340,6 +354,158 @@ def check_closures(modules: dict[str, Module], closures=CLOSURES) -> list[Violat
                         came[target] = (name, imp)
                         todo.append(target)
     return out
+
+
+CYCLE_TEXT = "no import cycle between modules of remat_ir (imports inside functions count)"
+PACKAGE_CYCLE_TEXT = ("no import cycle between the packages of remat_ir (a module's package: the one it is in; "
+                      "imports inside functions count)")
+PRIVATE_TEXT = ("no module (of remat_ir, or of tools/) imports a private name (a leading underscore) of "
+                "another package: a name other packages use is public")
+
+
+def import_graph(modules: dict[str, Module]) -> dict[str, dict[str, Import]]:
+    """{module: {project module it imports: the first such import}}: every
+    import statement as written (top level, inside functions, under a
+    package's lazy `__getattr__`), `from pkg import name` an edge to pkg."""
+    graph: dict[str, dict[str, Import]] = {}
+    for mod in modules.values():
+        edges = graph.setdefault(mod.name, {})
+        for imp in mod.imports:
+            if imp.target in modules and imp.target != mod.name:
+                edges.setdefault(imp.target, imp)
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """One cycle (a shortest one through its first module) per strongly
+    connected component of more than one module, as [a, b, ..., a]."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]  # iterative Tarjan
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        components.append(sorted(comp))
+    out = []
+    for comp in components:
+        members, first = set(comp), comp[0]
+        came: dict[str, str | None] = {first: None}
+        todo = deque([first])
+        end = None
+        while todo and end is None:
+            v = todo.popleft()
+            for w in sorted(graph.get(v, ())):
+                if w == first:
+                    end = v
+                    break
+                if w in members and w not in came:
+                    came[w] = v
+                    todo.append(w)
+        path = [first]
+        at = end
+        while at is not None and at != first:
+            path.append(at)
+            at = came[at]
+        out.append([first] + list(reversed(path[1:])) + [first])
+    return out
+
+
+def package_graph(modules: dict[str, Module]) -> dict[str, dict[str, Import]]:
+    """`import_graph` with each module replaced by its package (self-edges dropped)."""
+    graph: dict[str, dict[str, Import]] = {}
+    for a, edges in import_graph(modules).items():
+        pa = package_of(modules, a)
+        graph.setdefault(pa, {})
+        for b, imp in edges.items():
+            pb = package_of(modules, b)
+            graph.setdefault(pb, {})
+            if pa != pb:
+                graph[pa].setdefault(pb, imp)
+    return graph
+
+
+def check_cycles(modules: dict[str, Module], packages: bool = False) -> list[Violation]:
+    """Module cycles, or with `packages` cycles between packages; each named,
+    with the import statement of every link."""
+    graph = package_graph(modules) if packages else import_graph(modules)
+    out = []
+    for cycle in _cycles(graph):
+        links = [graph[a][b] for a, b in zip(cycle, cycle[1:])]
+        out.append(Violation("package cycle" if packages else "cycle", PACKAGE_CYCLE_TEXT if packages else CYCLE_TEXT,
+                             " -> ".join(cycle),
+                             "; ".join(_link(i.importer, i, i.target) for i in links)))
+    return out
+
+
+def package_of(modules: dict[str, Module], name: str) -> str:
+    mod = modules.get(name)
+    return name if mod is not None and mod.is_package else name.rpartition(".")[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def check_private(modules: dict[str, Module], importers: dict[str, Module] | None = None) -> list[Violation]:
+    """Imports (and attributes read off imported project modules) of a
+    private name whose module is in another package than the importer's."""
+    out = []
+    for mod in (importers if importers is not None else modules).values():
+        home = package_of(modules, mod.name) if mod.name in modules else mod.name.rpartition(".")[0]
+        found = []  # (line text, private name, the package that owns it)
+        for imp in mod.imports:
+            if not under(imp.target, PACKAGE):
+                continue
+            parts = imp.target.split(".")
+            for i, part in enumerate(parts):
+                if _private(part):
+                    found.append((imp.where(), part, ".".join(parts[:i])))
+            for n in imp.names:
+                if _private(n):
+                    found.append((imp.where(), n, package_of(modules, imp.target)))
+        for target, attr, line in mod.attributes:
+            if _private(attr):
+                found.append((f"{mod.path}:{line}: {mod.name}: {target}.{attr}", attr, package_of(modules, target)))
+        for where, name, owner in found:
+            if owner != home:
+                out.append(Violation("private", PRIVATE_TEXT, f"{where}  (private: {name}, of {owner})"))
+    return list(dict.fromkeys(out))
+
+
+def tool_sources(root: Path = ROOT) -> dict[str, tuple[str, str, bool]]:
+    """tools/*.py, as modules `tools.x` (scripts that use the package)."""
+    return {f"tools.{f.stem}": (str(f.relative_to(root)), f.read_text(), False)
+            for f in sorted((root / "tools").glob("*.py"))}
 
 
 @pytest.fixture(scope="module")
@@ -380,6 +546,38 @@ def test_import_rule(modules, rule):
 @pytest.mark.parametrize("rule", [c.id for c in CLOSURES])
 def test_import_closure(modules, rule):
     bad = check_closures(modules, [c for c in CLOSURES if c.id == rule])
+    assert not bad, "\n" + "\n".join(map(str, bad))
+
+
+def test_every_runtime_module_is_a_root_of_the_runtime_closure(modules):
+    (d,) = [c for c in CLOSURES if c.id == "d"]
+    roots = set(closure_roots(modules, d))
+    runtime = {m for m in modules if under(m, "remat_ir.runtime")}
+    assert {"remat_ir.runtime.fsdp", "remat_ir.runtime.profile", "remat_ir.runtime.load",
+            "remat_ir.runtime.bind", "remat_ir.ir.files"} <= roots
+    assert runtime <= roots
+
+
+def test_no_import_cycle(modules):
+    graph = import_graph(modules)
+    # Not vacuous: function-level and lazy imports are edges.
+    assert "remat_ir.trace.tracer" in graph["remat_ir.runtime.bind"]
+    assert "remat_ir.pipeline" in graph["remat_ir.adopt"] and "remat_ir.adopt" in graph["remat_ir"]
+    bad = check_cycles(modules)
+    assert not bad, "\n" + "\n".join(map(str, bad))
+
+
+def test_no_import_cycle_between_packages(modules):
+    graph = package_graph(modules)
+    assert "remat_ir.trace" in graph["remat_ir.runtime"] and "remat_ir.optimize" in graph["remat_ir"]
+    bad = check_cycles(modules, packages=True)
+    assert not bad, "\n" + "\n".join(map(str, bad))
+
+
+def test_no_private_name_crosses_packages(modules):
+    importers = {**modules, **scan(tool_sources())}
+    assert "tools.gpu_check" in importers
+    bad = check_private(modules, importers)
     assert not bad, "\n" + "\n".join(map(str, bad))
 
 
@@ -444,6 +642,80 @@ def test_checker_reports_the_cli_reaching_past_the_api():
     text_bad = "\n".join(map(str, bad))
     for what in ("import torch", "_check_optimizer_args", "remat_ir.optimize._internal", "remat_ir._hidden"):
         assert what in text_bad, text_bad
+
+
+def test_checker_reports_an_import_cycle():
+    # Two modules that import each other, one of them inside a function; and a longer cycle
+    # through a package's lazy __getattr__.
+    mods = _with({
+        "remat_ir.ir.x": ("remat_ir/ir/x.py", "from remat_ir.ir import y\n"),
+        "remat_ir.ir.y": ("remat_ir/ir/y.py", "def f():\n    from remat_ir.ir.x import thing\n"),
+    })
+    bad = check_cycles(mods)
+    assert [v.where for v in bad] == ["remat_ir.ir.x -> remat_ir.ir.y -> remat_ir.ir.x"], "\n".join(map(str, bad))
+    assert bad[0].rule == "cycle"
+    assert "remat_ir/ir/y.py:2 remat_ir.ir.y -> remat_ir.ir.x" in bad[0].chain
+    path, text, _ = module_sources()["remat_ir.runtime.fsdp"]
+    mods = _with({"remat_ir.runtime.fsdp": (path, text + "\n\ndef _p():\n    import remat_ir\n"
+                                                         "    return remat_ir.wrap\n")})
+    bad = check_cycles(mods)
+    assert len(bad) == 1 and "remat_ir.runtime.fsdp" in bad[0].where and "remat_ir.adopt" in bad[0].where, \
+        "\n".join(map(str, bad))
+    # Between packages: the tracer loading a model with the runtime, which imports the tracer.
+    path, text, _ = module_sources()["remat_ir.trace.tracer"]
+    mods = _with({"remat_ir.trace.tracer": (path, text + "\n\ndef _b(name):\n    from remat_ir.runtime.load "
+                                                         "import load_model\n    return load_model(name)\n")})
+    assert not check_cycles(mods)
+    bad = check_cycles(mods, packages=True)
+    assert [v.where for v in bad] == ["remat_ir.runtime -> remat_ir.trace -> remat_ir.runtime"], \
+        "\n".join(map(str, bad))
+    assert "remat_ir.trace.tracer: from remat_ir.runtime.load import load_model" not in bad[0].chain
+    assert f"{path}:{len(text.splitlines()) + 4} remat_ir.trace.tracer -> remat_ir.runtime.load" in bad[0].chain
+
+
+def test_checker_reports_the_runtime_closure_from_any_runtime_module():
+    # The fsdp runner importing the planning wrapper back (and through it the pipeline).
+    path, text, _ = module_sources()["remat_ir.runtime.fsdp"]
+    mods = _with({"remat_ir.runtime.fsdp": (path, text + "\n\ndef _p():\n    from remat_ir.adopt import "
+                                                         "AutoRemat\n    return AutoRemat\n")})
+    closure = check_closures(mods)
+    assert closure and all("reached from remat_ir.runtime.fsdp" in v.where for v in closure), \
+        "\n".join(map(str, closure))
+    assert any("remat_ir.runtime.fsdp -> remat_ir.adopt" in v.chain for v in closure)
+
+
+def test_checker_reports_a_private_name_from_another_package():
+    mods = _with({
+        "remat_ir.runtime.x": ("remat_ir/runtime/x.py",
+                               "def f():\n    from remat_ir.check.simulate import _dense, simulate\n"
+                               "    from remat_ir.runtime.interpret import _same_package\n"
+                               "    from remat_ir.check import simulate as s\n    return s._hidden, s.__name__\n"),
+    })
+    bad = [v for v in check_private(mods) if v.where.startswith("remat_ir/runtime/x.py")]
+    assert [v.where.split("  ")[1] for v in bad] == ["(private: _dense, of remat_ir.check)",
+                                                     "(private: _hidden, of remat_ir.check)"], \
+        "\n".join(map(str, bad))
+    tools = scan({"tools.t": ("tools/t.py", "from remat_ir.runtime.bind import _first\n"
+                                            "import remat_ir.optimize._inner\n", False)})
+    bad = check_private(mods, tools)
+    assert [v.where.split("  ")[1] for v in bad] == ["(private: _first, of remat_ir.runtime)",
+                                                     "(private: _inner, of remat_ir.optimize)"], \
+        "\n".join(map(str, bad))
+
+
+def test_checker_reports_every_cli_module():
+    # The rule is every CLI module's: show.py importing torch or a private name breaks it; bench.py may
+    # import torch, not a private name of the project.
+    for name, torch_ok in (("remat_ir.cli.show", False), ("remat_ir.cli.outputs", False),
+                           ("remat_ir.cli.bench", True)):
+        path, text, _ = module_sources()[name]
+        n = len(text.splitlines())
+        extra = "\n\ndef _x():\n    import torch\n    from remat_ir.runtime.interpret import _hidden\n"
+        bad = [v for v in check_rules(_with({name: (path, text + extra)}))
+               if v.where.startswith(path) and int(v.where.split(":")[1]) > n]
+        assert {v.rule for v in bad} == {"e"}
+        got = "\n".join(map(str, bad))
+        assert "_hidden" in got and ("import torch" in got) != torch_ok, got
 
 
 # ------------------------------------------------------------- the real thing

@@ -92,7 +92,7 @@ def test_fused_cross_entropy_backward_at_language_model_shapes(shape):
 
 
 def test_tracer_fuses_on_cpu():
-    from remat_ir.trace.tracer import trace_builtin
+    from remat_ir.pipeline import trace_builtin
 
     p = trace_builtin("gpt2-tiny", fake=True)
     ops = [n.op for n in p.nodes]

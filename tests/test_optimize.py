@@ -465,10 +465,9 @@ def test_unknown_solver():
 
 @pytest.fixture(scope="module")
 def gpt2_tiny():
-    trace = pytest.importorskip("remat_ir.trace")
-    if not hasattr(trace, "trace_builtin"):
-        pytest.skip("tracer not available")
-    return trace.trace_builtin("gpt2-tiny", fake=True)
+    from remat_ir.pipeline import trace_builtin
+
+    return trace_builtin("gpt2-tiny", fake=True)
 
 
 def test_gpt2_tiny(gpt2_tiny):
@@ -540,7 +539,7 @@ def _busy():
 
 
 def _gpt2_tiny():
-    from remat_ir.trace.tracer import trace_builtin
+    from remat_ir.pipeline import trace_builtin
 
     return trace_builtin("gpt2-tiny", fake=True)
 

@@ -7,7 +7,7 @@ from remat_ir.ir import Budget, Instr, node_inputs
 from remat_ir.cli.show import main
 from remat_ir.check.simulate import simulate
 from remat_ir.ir.printer import format_program
-from remat_ir.trace.tracer import trace_builtin
+from remat_ir.pipeline import trace_builtin
 from remat_ir.check.verify import verify
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 
 from remat_ir.models.families import FAMILIES
-from remat_ir.trace.fidelity import compare, train_side_by_side
+from remat_ir.side_by_side import train_side_by_side
+from remat_ir.trace.fidelity import compare
 
 
 def main() -> None:

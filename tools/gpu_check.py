@@ -223,7 +223,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
 
     from remat_ir.check.simulate import simulate
     from remat_ir.cli.bench import compare_grads, find_blocks, relative_grads
-    from remat_ir.runtime.bind import PlanMismatch, _first_difference
+    from remat_ir.runtime.bind import PlanMismatch, first_difference
     from remat_ir.runtime.interpret import wrap
     from remat_ir.runtime.load import load_model
     from remat_ir.runtime.memtrack import measure_step
@@ -277,7 +277,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
     eager.label = "eager PyTorch (predicted: its own trace)"
     _log(f"eager's own trace on {dev}: {time.perf_counter() - t1:.1f} s")
     if "plan" in plans and is_neutral(plans["plan"]):
-        difference, _ = _first_difference(plans["plan"], eager_prog)
+        difference, _ = first_difference(plans["plan"], eager_prog)
         info["neutral_vs_device_trace"] = difference or "same graph"
         _log(f"device-neutral plan vs the trace on {dev}: {difference or 'same graph'}")
     del eager_prog

@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     from remat_ir.ir.files import load_plan, save_plan
     from remat_ir.ir.parser import parse_program
     from remat_ir.ir.printer import format_program
-    from remat_ir.trace.tracer import trace_builtin
+    from remat_ir.pipeline import trace_builtin
 
     program = trace_builtin(args.model, args.batch, args.seq, fake=True)
     with tempfile.TemporaryDirectory() as tmp:

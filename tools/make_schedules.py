@@ -16,7 +16,7 @@ import sys
 import torch
 
 from remat_ir.ir.printer import format_program
-from remat_ir.trace.tracer import trace_builtin
+from remat_ir.pipeline import trace_builtin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "schedules")

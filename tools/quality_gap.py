@@ -26,7 +26,8 @@ import torch  # noqa: E402
 
 from remat_ir.models import GPT, GPTConfig  # noqa: E402
 from remat_ir.optimize.search import Infeasible, optimize, resolve_budget  # noqa: E402
-from remat_ir.trace.tracer import trace_builtin, trace_module  # noqa: E402
+from remat_ir.pipeline import trace_builtin  # noqa: E402
+from remat_ir.trace.tracer import trace_module  # noqa: E402
 
 
 def gpt_no_dropout():

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flat-limit", type=float, default=120.0, help="time limit of each flat solve")
     args = ap.parse_args(argv)
 
-    from remat_ir.trace.tracer import trace_builtin
+    from remat_ir.pipeline import trace_builtin
 
     fracs = [float(x) for x in args.fractions.split(",")]
     header = (f"{'model':<12} {'budget':>6} {'bytes':>11} {'floor':>11} {'peak':>11} {'recompute':>10} "

@@ -165,7 +165,7 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
     grad_targets = [values[k] for o in program.outputs if o.kind == GRAD for k in [o.key]]
     if grads_present:
         for v in grad_targets:
-            alloc(f"<{v.name}.grad>", v.nbytes or _dense_bytes(v), GRADIENTS)
+            alloc(f"<{v.name}.grad>", v.nbytes or dense_bytes(v), GRADIENTS)
     baseline = dict(cat_bytes)
 
     timeline: list[Event] = []
@@ -239,10 +239,10 @@ def _hand_over(out, keys, values, grads_present, live, refs, storage_cat, cat_by
         target = values[key]
         if grads_present:
             continue  # `.grad += g`: no allocation
-        if not _obeys_layout_contract(v, target):
+        if not obeys_layout_contract(v, target):
             # AccumulateGrad clones a gradient whose layout differs from the
             # parameter's; otherwise it steals it, views included.
-            alloc(f"<{key}.grad>", _dense_bytes(target), GRADIENTS)
+            alloc(f"<{key}.grad>", dense_bytes(target), GRADIENTS)
             record("backward", index, line)
         else:
             # Stolen: the storage lives on as `.grad`.
@@ -254,7 +254,7 @@ def _hand_over(out, keys, values, grads_present, live, refs, storage_cat, cat_by
     drop(out)
 
 
-def _obeys_layout_contract(grad, param) -> bool:
+def obeys_layout_contract(grad, param) -> bool:
     """torch/csrc/autograd/utils/grad_layout_contract.h, for dense parameters:
     strides must agree on every dimension longer than 1, and none may be 0."""
     for size, gs, ps in zip(grad.shape, grad.stride, param.stride):
@@ -265,7 +265,8 @@ def _obeys_layout_contract(grad, param) -> bool:
     return len(grad.shape) == len(param.shape)
 
 
-def _dense_bytes(v) -> int:
+def dense_bytes(v) -> int:
+    """Bytes of a dense tensor of `v`'s dtype and shape (a value's own gradient, as autograd allocates it)."""
     n = DTYPE_BYTES.get(v.dtype, 4)
     for d in v.shape:
         n *= d

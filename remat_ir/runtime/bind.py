@@ -183,7 +183,7 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
         except NotApplicable as e:
             raise PlanMismatch(f"the plan's rewrites ({', '.join(program.header.rewrites)}) do not apply to "
                                f"this model's step: {e}; {_RECOMPILE}", program.header.lines.get("rewrites", 0)) from e
-    difference, line = _first_difference(program, fresh)
+    difference, line = first_difference(program, fresh)
     if difference:
         raise PlanMismatch(f"this model no longer produces the plan's graph: {difference}; {_RECOMPILE}",
                            line)
@@ -216,7 +216,7 @@ _VALUE_FIELDS = ("kind", "dtype", "shape", "stride", "storage", "nbytes", "sourc
                  "aliases")
 
 
-def _first_difference(plan: Program, fresh: Program) -> tuple[str, int]:
+def first_difference(plan: Program, fresh: Program) -> tuple[str, int]:
     """The first way in which `fresh` (the model traced now) differs from
     `plan`, in words, and the plan's line where it is (0: none); ("", 0)
     when the graphs are the same."""

@@ -158,8 +158,11 @@ class FSDPRemat(WrappedModule):
     the module's docstring); the model itself is called as it is, so FSDP2's
     root hooks run as without remat-ir."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn=None, **options):
+    def __init__(self, model: torch.nn.Module, loss_fn=None, *, unit_planner, **options):
         super().__init__(model, loss_fn)
+        # `unit_planner(twin, **options)`: the wrapper that plans a unit's step on first use
+        # (remat_ir.adopt.AutoRemat, passed in by remat_ir.wrap: the runtime imports no planner).
+        self.unit_planner = unit_planner
         self.options = options
         self._planners: dict = {}
         self.units = []
@@ -174,9 +177,7 @@ class FSDPRemat(WrappedModule):
     def _planner(self, twin):
         # Units with the same step find the plan the first one made in the
         # plan cache (the same fingerprint), without running the optimizer.
-        from remat_ir.adopt import AutoRemat
-
-        return AutoRemat(twin, None, **self.options)
+        return self.unit_planner(twin, None, **self.options)
 
     def step(self, call):
         args, kwargs = call.rebuild(call.tensors)
@@ -450,7 +451,7 @@ class _Composer:
         import msgspec
 
         from remat_ir import ir
-        from remat_ir.check.simulate import _dense_bytes, _obeys_layout_contract
+        from remat_ir.check.simulate import dense_bytes, obeys_layout_contract
         from remat_ir.ir import BACKWARD, FREE, GRAD, PARAM, RESULT
 
         rprog = self.rprog
@@ -498,10 +499,10 @@ class _Composer:
                 out.append(ins)
                 for o in node.outputs:
                     for key in root_grads.get(o, ()):
-                        if _obeys_layout_contract(rvals[o], rvals[key]):
+                        if obeys_layout_contract(rvals[o], rvals[key]):
                             kept_grads.append(o)  # AccumulateGrad steals it
                         else:
-                            self.alloc(out, f"root/{key}.grad", _dense_bytes(rvals[key]), BACKWARD)
+                            self.alloc(out, f"root/{key}.grad", dense_bytes(rvals[key]), BACKWARD)
                             kept_grads.append(f"root/{key}.grad")
                             self.free(out, o)
         # Root post-backward, when backward ends.
@@ -590,7 +591,7 @@ class _Composer:
     def _unit_backward(self, i, node):
         import msgspec
 
-        from remat_ir.check.simulate import _dense_bytes, _obeys_layout_contract
+        from remat_ir.check.simulate import dense_bytes, obeys_layout_contract
         from remat_ir.ir import FREE, GRAD, INPUT, TANGENT
 
         prog, (full, flat) = self.units[i]
@@ -631,10 +632,10 @@ class _Composer:
                         # Autograd carries it on into the root's graph.
                         self.emit(out, f"{p}grad_input", reads=[p + o], made=[self.values.pop(gx[0])],
                                   phase="backward")
-                    elif _obeys_layout_contract(pv[o], pv[key]):
+                    elif obeys_layout_contract(pv[o], pv[key]):
                         grads.append(p + o)  # stolen as the unsharded parameter's `.grad`
                     else:
-                        self.alloc(out, f"{p}{key}.grad", _dense_bytes(pv[key]), "backward")
+                        self.alloc(out, f"{p}{key}.grad", dense_bytes(pv[key]), "backward")
                         grads.append(f"{p}{key}.grad")
                 if o in grad_of:
                     # Handed over (popped from the plan's environment).

@@ -34,7 +34,8 @@ from remat_ir.trace.calls import autocast_off, split_call
 # ------------------------------------------------------------------ codegen
 
 
-def _resolve_op(name: str):
+def resolve_op(name: str):
+    """The torch op a plan names, or PlanMismatch when this PyTorch build has none by that name."""
     try:
         return resolve(name)
     except AttributeError as e:
@@ -168,7 +169,7 @@ class Executable:
         return self._const(a)
 
     def _call(self, node) -> str:
-        op = self._const(_resolve_op(node.op))
+        op = self._const(resolve_op(node.op))
         args = [self._expr(a) for a in node.args]
         if node.kwargs:
             args.append("**{" + "".join(f"{_str(k)}: {self._expr(v)}, " for k, v in node.kwargs.items()) + "}")
@@ -212,7 +213,7 @@ class Executable:
         return fn
 
     def _single_output(self, node) -> bool:
-        op = _resolve_op(node.op)
+        op = resolve_op(node.op)
         rets = op._schema.returns
         return len(rets) == 1 and not str(rets[0].type).endswith("[]")
 

@@ -38,7 +38,7 @@ def profile_costs(program: Program, module, inputs, *, repeats: int = 5, warmup:
     """
     import torch
 
-    from remat_ir.runtime.interpret import _resolve_op
+    from remat_ir.runtime.interpret import resolve_op
     from remat_ir.ir.ops import torch_arg
     from remat_ir.ir.schedule import default_schedule
 
@@ -90,7 +90,7 @@ def profile_costs(program: Program, module, inputs, *, repeats: int = 5, warmup:
                 env.pop(ins.target, None)
                 continue
             node = nodes[ins.target]
-            op = _resolve_op(node.op)
+            op = resolve_op(node.op)
             args = [arg(a) for a in node.args]
             kwargs = {k: arg(a) for k, a in node.kwargs.items()}
             saved = [(env[m], env[m].clone()) for m in dict.fromkeys(node.mutates)]

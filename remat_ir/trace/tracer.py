@@ -726,12 +726,3 @@ def _flops(n) -> float:
         return 0.0
     outs = val if isinstance(val, (tuple, list)) else [val]
     return float(sum(t.numel() for t in outs if isinstance(t, torch.Tensor)))
-
-
-def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *, fake: bool = False,
-                  device: str = "cpu") -> Program:
-    """Trace a built-in model (see `remat_ir.models`) with its default inputs."""
-    from remat_ir.runtime.load import load_model
-
-    m = load_model(name, batch=batch, seq=seq, device=device, fake=fake)
-    return trace_module(m.module, m.inputs, loss_fn=m.loss, model_name=name, fake=fake, device=device)
