@@ -59,7 +59,7 @@ FLAT_PROOF_NODES = 3000  # ... and of the later rounds, which look for the cheap
 # decisions) can take a minute.
 FLAT_GAP = 5e-3
 # Each round of a lazy search adds only the rows where its plan holds the
-# most, not every row the plan breaks (README, "The optimizer").  A
+# most, not every row the plan breaks (docs/02-optimizer.md).  A
 # least-peak search's first plan, solved against one row, breaks nearly all
 # of them (a 3-layer Llama: 124,000 rows at once, 31 s for the root LP
 # alone) while the peak is decided at a few; its time is the root's search
