@@ -47,7 +47,6 @@ import contextlib
 import copy
 import functools
 import gc
-import io
 import math
 import os
 import statistics
@@ -61,7 +60,7 @@ import torch
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
 from remat_ir.cli.outputs import check_outputs, model_file
-from remat_ir.ir.files import image_format, write_atomically
+from remat_ir.ir.files import save_figure, write_atomically
 
 MiB = 2**20
 
@@ -759,12 +758,7 @@ def pareto_png(ctx: Context, rows: list[Row], path: str) -> None:
     leg = ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     _place_labels(fig, ax, labels, obstacles=[leg])
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format=image_format(path))
-    finally:
-        plt.close(fig)
-    write_atomically(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 # -------------------------------------------------------------------- main

@@ -15,12 +15,11 @@ no regular file, is the plan itself or has an extension matplotlib cannot write)
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 
 from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
 from remat_ir.cli.outputs import check_outputs
-from remat_ir.ir.files import image_format, write_atomically
+from remat_ir.ir.files import save_figure
 from remat_ir.ir.printer import human_bytes
 
 # Category colours for the stacked timeline (simulate.CATEGORIES order).
@@ -220,12 +219,7 @@ def timeline_png(program, report, path: str, *, title: str = "", first_step: boo
     ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
               framealpha=0.95)
     ax.grid(True, axis="y", alpha=0.3)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format=image_format(path))
-    finally:
-        plt.close(fig)
-    write_atomically(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def step_tensors(program, report) -> list[tuple[str, int]]:

@@ -88,6 +88,21 @@ def image_format(path: str | os.PathLike) -> str:
     return ext or "png"
 
 
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Write a matplotlib figure to `path` in the format its extension names,
+    atomically (drawn in memory first), and close it."""
+    import io
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=image_format(path))
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    write_atomically(path, buf.getvalue())
+
+
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same directory,
     fsync and rename: readers see the old file or the whole new one, never a

@@ -17,13 +17,12 @@ the table shows what each solve returned.
 """
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass
 
 from remat_ir.ir.costs import overhead, unit_label
 from remat_ir.ir import COST_PROFILE, Program
-from remat_ir.ir.files import image_format, write_atomically
+from remat_ir.ir.files import save_figure
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.types import DEFAULT_SCOPE
 
@@ -191,9 +190,4 @@ def plot(rows: list[Row], path: str | os.PathLike, *, title: str = "", scope: st
     fig.text(0.99, 0.01, "labels: budget as % of the unoptimized peak", ha="right", va="bottom",
              fontsize=7.5, color="dimgray")
     fig.tight_layout()
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format=image_format(path))
-    finally:
-        plt.close(fig)
-    write_atomically(path, buf.getvalue())
+    save_figure(fig, path)
