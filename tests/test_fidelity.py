@@ -4,7 +4,7 @@ For each family (small configs called with masks, labels, LoRA adapters:
 `remat_ir.models.families`): the traced step runs eager's aten ops in eager's
 order (`remat_ir.trace.fidelity.compare`), and three AdamW steps through
 `remat_ir.wrap(model, budget=0.5)` leave the parameters bitwise equal to
-eager's.  T5 is in `tools/fidelity.py` only: its plan takes minutes today.
+eager's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from remat_ir.models.families import FAMILIES  # noqa: E402
 from remat_ir.side_by_side import train_side_by_side  # noqa: E402
 from remat_ir.trace.fidelity import compare  # noqa: E402
 
-FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "bart", "vit"]
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "t5", "bart", "vit"]
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
