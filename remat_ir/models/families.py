@@ -74,6 +74,16 @@ def mixtral(seed: int = 0):
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+def _seq2seq_call(seed: int) -> dict:
+    """An encoder-decoder's training call: ids, a mask with the second row's
+    last 4 positions padded, and labels half as long."""
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": _ids(g, _SEQ // 2)}
+
+
 def t5(seed: int = 0):
     """An encoder-decoder (T5, dropout 0.1) with a padded encoder mask and labels."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -82,11 +92,7 @@ def t5(seed: int = 0):
     model = T5ForConditionalGeneration(T5Config(
         vocab_size=_VOCAB, d_model=64, d_ff=128, d_kv=16, num_layers=1, num_decoder_layers=1, num_heads=4,
         decoder_start_token_id=0, pad_token_id=0))
-    g = torch.Generator().manual_seed(seed)
-    ids = _ids(g)
-    mask = torch.ones_like(ids)
-    mask[1, -4:] = 0
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": _ids(g, _SEQ // 2)}
+    return model, _seq2seq_call(seed)
 
 
 def bart(seed: int = 0):
@@ -98,11 +104,7 @@ def bart(seed: int = 0):
         vocab_size=_VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2))
-    g = torch.Generator().manual_seed(seed)
-    ids = _ids(g)
-    mask = torch.ones_like(ids)
-    mask[1, -4:] = 0
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": _ids(g, _SEQ // 2)}
+    return model, _seq2seq_call(seed)
 
 
 def vit(seed: int = 0):

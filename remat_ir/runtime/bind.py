@@ -149,9 +149,10 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
         for v in program.values:
             if v.kind == INPUT:
                 # One tensor passed twice (`input_ids=ids, labels=ids`) is one storage in the plan.
-                twin = made.get(v.storage)
-                same = twin is not None and list(twin.shape) == v.shape and list(twin.stride()) == v.stride
-                made.setdefault(v.storage, t := twin if same else _blank(v, device))
+                t = made.get(v.storage)
+                if t is None or list(t.shape) != v.shape or list(t.stride()) != v.stride:
+                    t = _blank(v, device)
+                    made.setdefault(v.storage, t)
                 named[v.source or v.name] = t
     # The call's constants as the plan was made with them (`scale=2.0`), not the forward's defaults.
     at = program.header.lines.get("constants", 0)

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat_ir.trace.calls import split_call
+from remat_ir.trace.guards import storage_of, written_tensors
 from remat_ir.trace.tracer import model_params, trace_module
 
 __all__ = ["Fidelity", "compare", "eager_ops"]
@@ -49,12 +50,8 @@ class Fidelity:
         return not self.difference
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _view(t: torch.Tensor) -> tuple:
-    return _key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+    return storage_of(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
 class _Record(TorchDispatchMode):
@@ -84,27 +81,24 @@ class _Record(TorchDispatchMode):
         k = len(self.ops)
         self.ops.append(str(func))
         self.deps.append(self._sources(ins))
-        written = [t for i, a in enumerate(func._schema.arguments) if a.alias_info is not None
-                   and a.alias_info.is_write for t in pytree.tree_leaves(args[i] if i < len(args) else
-                                                                         kwargs.get(a.name))
-                   if isinstance(t, torch.Tensor)]
+        written = written_tensors(func, args, kwargs)
         # Random draws, and writes into memory that existed before the step
         # (buffers), happen whether or not the step reads them.
         self.root.append(torch.Tag.nondeterministic_seeded in func.tags
-                         or any(_key(t) not in self.fresh for t in written))
+                         or any(storage_of(t) not in self.fresh for t in written))
         for t in written:
-            self.written[_key(t)] = k
+            self.written[storage_of(t)] = k
         aliasing = func.is_view or any(r.alias_info is not None for r in func._schema.returns)
         for t in outs:
             self.made[_view(t)] = k
             if not aliasing:
-                self.fresh.add(_key(t))
+                self.fresh.add(storage_of(t))
         self.keep += ins
         return out
 
     def _sources(self, tensors) -> list[int]:
         out = [self.made[_view(t)] for t in tensors if _view(t) in self.made]
-        return out + [self.written[_key(t)] for t in tensors if _key(t) in self.written]
+        return out + [self.written[storage_of(t)] for t in tensors if storage_of(t) in self.written]
 
     def used(self, results) -> list[str]:
         """The ops that `results` (tensors) depend on, and the roots, in order."""

@@ -39,7 +39,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from remat_ir.ir.guards import TRACED, GuardError, literal, mutates, run_op
 
-__all__ = ["StepValues", "PROBES"]
+__all__ = ["StepValues", "PROBES", "storage_of", "written_tensors"]
 
 # Functions model code calls to ask whether it is traced, as
 # (module, attribute); each is replaced, wherever a module holds it, by one
@@ -136,7 +136,6 @@ class StepValues(TorchDispatchMode):
                     self.leaves[(kind, name)] = real
         self.answers = answers
         self.guards: list[str] = []
-        self.asked_probe = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -183,9 +182,9 @@ class StepValues(TorchDispatchMode):
     def _forget(self, func, args, kwargs) -> None:
         # A tensor written in place no longer has the value its recipe says;
         # nor has any other view of its storage.
-        written = {_storage(a) for a in _mutated(func, args, kwargs)}
+        written = {storage_of(a) for a in written_tensors(func, args, kwargs)}
         for t in list(self.recipes.keys()):
-            if _storage(t) in written:
+            if storage_of(t) in written:
                 del self.recipes[t]
 
     def _answer(self, recipe: _Op):
@@ -207,18 +206,16 @@ class StepValues(TorchDispatchMode):
         return value
 
     @contextlib.contextmanager
-    def probes_answer_eager(self):
-        """The tracing probes say "not traced" while this is entered."""
-        asked = self
+    def answering(self):
+        """While entered: this mode is on and the tracing probes say "not traced"."""
+        guards = self.guards
 
         def not_traced(*args, **kwargs):
-            if not asked.asked_probe:
-                asked.asked_probe = True
-                if TRACED not in asked.guards:
-                    asked.guards.insert(0, TRACED)
+            if TRACED not in guards:
+                guards.insert(0, TRACED)
             return False
 
-        with _replaced_probes(not_traced):
+        with self, _replaced_probes(not_traced):
             yield
 
 
@@ -228,11 +225,12 @@ def _sub_tree(x, sub):
     return sub(x)
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_of(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _mutated(func, args, kwargs) -> list:
+def written_tensors(func, args, kwargs) -> list:
+    """The tensors `func(*args, **kwargs)` writes in place (its schema says which)."""
     out = []
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:

@@ -163,8 +163,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
         state = dict(zip(names, ps))
         state.update(zip(bnames, bs))
         args, kwargs = call.rebuild(xs)
-        with device_neutral(neutral), values or contextlib.nullcontext(), \
-                values.probes_answer_eager() if values else contextlib.nullcontext():
+        with device_neutral(neutral), values.answering() if values else contextlib.nullcontext():
             with autocast():
                 out = torch.func.functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
                 if loss_fn is not None:
