@@ -72,7 +72,8 @@ def _uses_fsdp(model) -> bool:
 
 def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = DEFAULT_SCOPE,
          optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
-         solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True):
+         solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True,
+         dynamic: bool = True, max_shape: dict | None = None):
     """`model`, whose training steps run by a remat-ir plan.
 
     With `plan` (a Program or a `.rir` path): that plan, as
@@ -90,7 +91,15 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     each rank (`remat_ir.runtime.fsdp`).  A budget or `time_limit` that is
     no positive, finite amount (zero, negative, NaN, infinite) is refused
     here (BudgetError, ValueError); planning errors (an infeasible budget, a
-    model that cannot be traced) are raised at that first call."""
+    model that cannot be traced) are raised at that first call.
+
+    `dynamic` (the default): one symbolic plan serves calls whose sizes
+    differ (a batch padded to its own longest sequence; a smaller last
+    batch), planned once (see the module's docstring); False: a plan per
+    exact shape.  `max_shape`: input name -> the largest shape the calls
+    will have ({"input_ids": (8, 512)}; None for a dimension left to the
+    default): the range a symbolic plan covers, which a fraction of a budget
+    refers to."""
     if plan is not None:
         if budget is not None:
             raise ValueError("give wrap() a plan or a budget, not both: the plan already fits its budget")
@@ -117,7 +126,8 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
                          cost=cost, effort=effort, time_limit=time_limit, solver=solver, cache=cache,
                          max_plans=max_plans)
     return AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
-                     time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans)
+                     time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans, dynamic=dynamic,
+                     max_shape=max_shape)
 
 
 class AutoRemat(WrappedModule):
@@ -126,7 +136,8 @@ class AutoRemat(WrappedModule):
 
     def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = DEFAULT_SCOPE,
                  optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
-                 solver: str = "HIGHS", cache: bool = True, max_plans: int = 8):
+                 solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, dynamic: bool = False,
+                 max_shape: dict | None = None):
         from remat_ir import pipeline
 
         if not isinstance(model, torch.nn.Module):
@@ -143,7 +154,15 @@ class AutoRemat(WrappedModule):
                             time_limit=time_limit, solver=solver)
         self.cache_plans = cache
         self.max_plans = max_plans
-        self.plans: OrderedDict[tuple, PlanRunner] = OrderedDict()  # (call structure, guards) -> plan
+        self.dynamic = dynamic
+        self.max_shape = {k: tuple(v) for k, v in (max_shape or {}).items()}
+        # (call structure, or shape class for a symbolic plan; guards) -> plan
+        self.plans: OrderedDict[tuple, PlanRunner] = OrderedDict()
+        # A symbolic plan's traced program (its unoptimized schedule: a
+        # fraction of a budget is of its peak), to grow the plan's range.
+        self._traced: dict[int, object] = {}
+        self._seen: dict[str, list[list[int]]] = {}  # shape class -> the largest size of each input dimension
+        self.solves = 0  # optimizer runs so far (a plan from the cache is not one)
 
     def step(self, call):
         guard = self.__dict__.get("_model_guard")
@@ -155,28 +174,152 @@ class AutoRemat(WrappedModule):
                 print(f"remat-ir: {'; '.join(changed[:3])}{more} since the plans for "
                       f"{type(self.module).__name__} were made: planning it again", file=sys.stderr)
                 self.plans.clear()
-        # Calls of one structure share a plan unless the model's code decides on
-        # their values (an all-ones mask or not): then each decision has its own,
-        # keyed by its guards.
-        structure = call.structure()
+        # Calls of one structure (a symbolic plan: of one shape class) share a
+        # plan unless the model's code decides on their values (an all-ones mask
+        # or not): then each decision has its own, keyed by its guards.
+        structure, shape_class = call.structure(), call.shape_class()
+        self._note_sizes(shape_class, call)
         key = runner = None
         for k, r in self.plans.items():
-            if k[0] == structure and not r.failed_guard(self.module, call):
+            if k[0] == (shape_class if r.symbolic else structure) and not r.accepts(call) \
+                    and not r.failed_guard(self.module, call):
                 key, runner = k, r
                 break
         if runner is None:
-            runner = self._plan(call)
+            runner = self._grown(call, shape_class) or self._plan(call)
             if not self.plans or guard is None:
                 self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
-            key = (structure, tuple(runner.program.header.guards))
+            key = (shape_class if runner.symbolic else structure, tuple(runner.program.header.guards))
+            old = self.plans.pop(key, None)
+            if old is not None:
+                self._traced.pop(id(old), None)
             self.plans[key] = runner
             while len(self.plans) > self.max_plans:
-                self.plans.popitem(last=False)
+                self._traced.pop(id(self.plans.popitem(last=False)[1]), None)
         self.plans.move_to_end(key)
         return runner.run(self.module, call, guards_checked=True)
 
+    # ------------------------------------------------------------ sizes
+
+    def _note_sizes(self, shape_class: str, call) -> None:
+        seen = self._seen.setdefault(shape_class, [list(t.shape) for t in call.tensors])
+        for s, t in zip(seen, call.tensors):
+            s[:] = [max(a, b) for a, b in zip(s, t.shape)]
+
+    def _dynamic_dims(self, call) -> dict[str, dict[int, str]]:
+        """Which of the call's dimensions vary between calls, each with its
+        symbol: the batch (B: the first dimension of each tensor that has the
+        first tensor's), the sequence (T: the second dimension of the first
+        2-D integer tensor, the token ids, and each later dimension of that
+        size), dimensions seen to vary (S2, S3, ...), and those `max_shape`
+        names."""
+        tensors = dict(zip(call.names, call.tensors))
+        first = next((t for t in call.tensors if t.dim() >= 1), None)
+        ids = next((t for t in call.tensors if t.dim() == 2 and not t.is_floating_point()
+                    and not t.is_complex()), None)
+        size_symbol: dict[int, str] = {}
+        if first is not None and first.shape[0] >= 2:
+            size_symbol[int(first.shape[0])] = "B"
+        if ids is not None and ids.shape[1] >= 2 and int(ids.shape[1]) not in size_symbol:
+            size_symbol[int(ids.shape[1])] = "T"
+        seen = self._seen.get(call.shape_class(), [])
+        varying = {(n, d) for n, t, s in zip(call.names, call.tensors, seen) for d in range(t.dim())
+                   if s[d] != t.shape[d]}
+        named = {(n, d) for n, shape in self.max_shape.items() for d, x in enumerate(shape) if x is not None}
+        for n, d in sorted(varying | named, key=lambda nd: (call.names.index(nd[0]) if nd[0] in tensors else 0, nd[1])):
+            size = int(tensors[n].shape[d]) if n in tensors and d < tensors[n].dim() else 0
+            if size >= 2 and size not in size_symbol:
+                size_symbol[size] = f"S{len(size_symbol)}"
+        dims: dict[str, dict[int, str]] = {}
+        for n, t in tensors.items():
+            for d in range(t.dim()):
+                symbol = size_symbol.get(int(t.shape[d]))
+                if symbol == "B" and d != 0:
+                    continue  # a batch size elsewhere is a coincidence
+                if symbol is not None and (symbol != "T" or d >= 1):
+                    dims.setdefault(n, {})[d] = symbol
+        return dims
+
+    def _ranges(self, program, call) -> list[str]:
+        """The range a new symbolic plan covers: from its low end to `max_shape`,
+        else (for the sequence, with a budget that is no byte count) the
+        model's own limit (`config.max_position_embeddings`), else the
+        largest size seen so far."""
+        from remat_ir.ir import sizes as sz
+        from remat_ir.ir.budgets import parse_budget
+
+        seen = dict(zip(call.names, self._seen.get(call.shape_class(), [])))
+        high: dict[str, int] = {}
+        for v in program.values:
+            if v.kind != "input":
+                continue
+            name = v.source or v.name
+            for d, x in enumerate(v.shape):
+                if type(x) is str and sz.SYMBOL_RE.fullmatch(x):
+                    most = seen.get(name, [0] * len(v.shape))[d]
+                    limit = self.max_shape.get(name, ())
+                    if d < len(limit) and limit[d] is not None:
+                        most = max(most, int(limit[d]))
+                    high[x] = max(high.get(x, 0), most)
+        budget = self.options["budget"]
+        by_bytes = budget is not None and not (isinstance(budget, str) and budget.strip().lower() == "floor") \
+            and parse_budget(budget)[0] == "bytes"
+        config = getattr(self.module, "config", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        named = {x for shape in self.max_shape.values() for x in shape if x is not None}
+        if "T" in high and isinstance(limit, int) and limit > high["T"] and not by_bytes and not named:
+            high["T"] = limit
+        out = []
+        for r in map(sz.parse_range, program.header.sizes):
+            out.append(sz.format_range(sz.SizeRange(r.symbol, r.low, max(r.low, high.get(r.symbol, r.high)))))
+        return out
+
+    def _grown(self, call, shape_class):
+        """A symbolic plan of this shape class whose range, grown to this
+        call's sizes, still fits its budget there (no optimizer run), or None."""
+        import msgspec
+
+        from remat_ir import pipeline
+        from remat_ir.ir import sizes as sz
+
+        for k, r in list(self.plans.items()):
+            traced = self._traced.get(id(r))
+            if not r.symbolic or k[0] != shape_class or traced is None:
+                continue
+            program = r.program
+            got = dict(zip(call.names, call.tensors))
+            sizes, why = sz.bind_sizes([(name, v.shape, list(got[name].shape))
+                                        for v, name in zip(r.exe.inputs, r.input_names)])
+            ranges = sz.ranges(program)
+            if why or any(sizes[s] < ranges[s].low for s in ranges):
+                continue
+            wider = [sz.format_range(sz.SizeRange(s, x.low, max(x.high, sizes[s]))) for s, x in ranges.items()]
+            header = msgspec.structs.replace(program.header, sizes=wider)
+            grown = msgspec.structs.replace(program, header=header)
+            high = sz.ends(grown)[-1]
+            if sz.check_sizes(grown, sizes) or sz.check_sizes(grown, high):
+                continue
+            o = self.options
+            budget = program.header.budget
+            if budget is not None and o["budget"] is not None and not (
+                    isinstance(o["budget"], str) and o["budget"].strip().lower() == "floor"):
+                nbytes = pipeline.budget_bytes(sz.instantiate(traced, high), o["budget"], o["scope"])
+                budget = msgspec.structs.replace(budget, bytes=nbytes)
+            elif budget is not None:
+                continue  # a floor is searched again
+            header.budget = budget
+            runner = PlanRunner(self.module, grown, self.loss_fn, check_model=False, check_plan=False)
+            if budget is not None and runner.peak(high)[1] > budget.bytes:
+                continue
+            self._traced[id(runner)] = msgspec.structs.replace(traced, header=msgspec.structs.replace(
+                traced.header, sizes=wider))
+            return runner
+        return None
+
     def _plan(self, call) -> PlanRunner:
         from remat_ir import pipeline
+        from remat_ir.ir.fingerprint import fingerprint
+        from remat_ir.trace.tracer import TraceError
 
         if _uses_fsdp(self.module):
             # Sharded after wrapping: the plan would read DTensor shards where it needs gathered parameters.
@@ -189,8 +332,21 @@ class AutoRemat(WrappedModule):
         with _Progress(f"remat-ir: planning {type(self.module).__name__} for {what or 'no tensors'}, "
                        f"{budget}{', autocast ' + call.autocast if call.autocast else ''}") as progress:
             args, kwargs = call.rebuild(call.tensors)
-            program = pipeline.trace(self.module, args, kwargs, loss=self.loss_fn, optimizer=o["optimizer"],
-                                     cost=o["cost"], autocast=call.autocast, as_called=True)
+            trace = dict(loss=self.loss_fn, optimizer=o["optimizer"], cost=o["cost"], autocast=call.autocast,
+                         as_called=True)
+            program = None
+            dims = self._dynamic_dims(call) if self.dynamic else {}
+            if dims:
+                try:
+                    program = pipeline.trace(self.module, args, kwargs, dynamic=dims, **trace)
+                    program.header.sizes = self._ranges(program, call)
+                    program.header.fingerprint = fingerprint(program)
+                except TraceError as e:
+                    print(f"remat-ir: {e}; planning this call's sizes alone", file=sys.stderr)
+                    program = None
+            traced = program
+            if program is None:
+                program = pipeline.trace(self.module, args, kwargs, **trace)
             path = cached = None
             if self.cache_plans:
                 path = cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
@@ -201,15 +357,21 @@ class AutoRemat(WrappedModule):
                 try:
                     runner = PlanRunner(self.module, cached, self.loss_fn, check_model=False)
                     progress.note = f" (the plan cached in {path})"
+                    if traced is not None:
+                        self._traced[id(runner)] = traced
                     return runner
                 except ValueError as e:
                     print(f"remat-ir: ignoring the cached plan {path}: {e}", file=sys.stderr)
             effort = {} if o["effort"] is None else {"effort": o["effort"]}
+            self.solves += o["budget"] is not None
             plan = pipeline.fit(program, o["budget"], scope=o["scope"], time_limit=o["time_limit"],
                                 solver=o["solver"], **effort)
             if path is not None:
                 _store(path, plan)
-            return PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
+            runner = PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
+            if traced is not None:
+                self._traced[id(runner)] = traced
+            return runner
 
     def _key(self, program) -> str:
         from remat_ir.version import __version__

@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from remat_ir.ir import COST_FLOPS, COST_MODELS, COST_PROFILE, Program
-from remat_ir.ir import budgets
+import msgspec
+
+from remat_ir.ir import budgets, sizes
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 
@@ -132,7 +134,8 @@ def _check_optimizer_args(solver: str, effort: str) -> None:
 def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
           name: str | None = None, optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
           profile_repeats: int = 5, stats: CompileStats | None = None, device: str | None = None,
-          autocast: str | None = None, as_called: bool = False) -> Program:
+          autocast: str | None = None, as_called: bool = False,
+          dynamic: dict[str, dict[int, str]] | None = None) -> Program:
     """One training step of `model(*args, **kwargs)`, traced into an unoptimized
     Program whose header is complete (device, optimizer state, comment).
     `name` is the header's model name (default: the module's class name).
@@ -147,7 +150,9 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     called, for the step's device type, as the call would run there, so
     `with torch.autocast("cpu", dtype=torch.bfloat16): compile(model, args)`
     makes the plan a call in that block runs.  The plan runs only under the
-    same autocast (its header's `autocast` line)."""
+    same autocast (its header's `autocast` line).  `dynamic`: the input
+    dimensions that vary between calls, for a symbolic program (see
+    `remat_ir.trace.tracer.trace_module`)."""
     import torch
 
     from remat_ir.check.simulate import optimizer_state_bytes
@@ -175,11 +180,12 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
 
     with _Clock(stats, "trace"):
         program = trace_module(model, args, kwargs=kwargs, loss_fn=loss, model_name=name, fake=fake,
-                               device=device, autocast=autocast, as_called=as_called)
+                               device=device, autocast=autocast, as_called=as_called, dynamic=dynamic)
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
         program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it
-        shape = ", ".join(f"{v.name} {v.dtype}{v.shape}" for v in program.values if v.kind == "input")
+        shape = ", ".join(f"{v.name} {v.dtype}[{','.join(map(str, v.shape))}]"
+                          for v in program.values if v.kind == "input")
         program.header.comment = [f"remat-ir plan: {name} ({shape})"] + program.header.comment
     if cost == COST_PROFILE:
         from remat_ir.runtime.profile import profile_costs
@@ -274,6 +280,9 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
     time_limit = check_time_limit(time_limit)
     if budget is None:
         return _verified(program, stats)
+    if sizes.is_symbolic(program):
+        return _fit_symbolic(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort,
+                             stats=stats, exact=exact)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     _check_optimizer_args(solver, effort)
@@ -295,6 +304,25 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
             f"the optimizer's time limit ({time_limit:g} s) cut its search short: this plan can "
             "differ between runs; raise the time limit for a reproducible one")
     return _verified(result.program, stats)
+
+
+def _fit_symbolic(program: Program, budget, **options) -> Program:
+    """A symbolic program's plan: the schedule `fit` chooses for its largest
+    sizes (the high end of its range: a fraction is of the peak there),
+    which is the schedule of every size (the instantiations share node and
+    value names), verified over the range.  A budget only graph rewrites
+    reach is refused: their chunks are chosen for one size."""
+    high = sizes.ends(program)[-1]
+    plan = fit(sizes.instantiate(program, high), budget, **options)
+    at = ", ".join(f"{k}={v}" for k, v in high.items())
+    if plan.header.rewrites:
+        raise BudgetError(f"at {at} the budget is below what recomputation alone reaches, and a plan for every "
+                          "size cannot rewrite the graph; raise the budget, or plan each size on its own")
+    header = msgspec.structs.replace(program.header, budget=plan.header.budget,
+                                     comment=plan.header.comment + [f"schedule chosen at {at}, the largest "
+                                                                    "sizes of the range"])
+    out = msgspec.structs.replace(program, header=header, forward=plan.forward, backward=plan.backward)
+    return _verified(out, options.get("stats"))
 
 
 def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,

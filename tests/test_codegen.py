@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from remat_ir.ir import (
     BACKWARD, COMPUTE, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE,
-    Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program, Ref, Seq, Special, Value,
+    Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program, Ref, Seq, Special, Sym, Value,
 )
 from remat_ir.runtime.bind import PlanMismatch
 from remat_ir.runtime.interpret import Executable
@@ -33,8 +33,20 @@ nasty = st.one_of(text, st.sampled_from([INJECTED_KEY, "'", '"', "\\", "')\n__im
                                          "inf", "nan", "-inf", "float('inf')", "a b", "x.y", "é", ""]))
 
 
+# Size expressions of a symbolic plan: any identifiers as symbols (the code
+# holds them only as string keys of S).
+symbol = st.sampled_from(["B", "T", "E", "C", "S", "__import__", "exec", "os", "_r"])
+size_expr = st.recursive(
+    st.one_of(symbol, st.integers(-5, 2 ** 40).map(str)),
+    lambda inner: st.one_of(
+        st.tuples(inner, st.sampled_from(["+", "-", "*", "//", "%"]), inner).map(lambda t: f"({t[0]}){t[1]}({t[2]})"),
+        st.tuples(st.sampled_from(["max", "min"]), inner, inner).map(lambda t: f"{t[0]}({t[1]},{t[2]})")),
+    max_leaves=6)
+
+
 def scalars(refs: list[str]):
     return st.one_of(
+        st.builds(Sym, size_expr),
         st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(), nasty,
         st.builds(DType, st.sampled_from(["float32", "int64", "bfloat16", "bool"])),
         st.builds(Layout, st.sampled_from(["strided", "sparse_coo"])),
@@ -125,7 +137,7 @@ class Shapes:
         assert type(fn) is ast.FunctionDef and fn.name == name
         assert not fn.decorator_list and fn.returns is None
         a = fn.args
-        assert [x.arg for x in a.args] == ["E", "R", "C", "get_rng", "set_rng"]
+        assert [x.arg for x in a.args] == ["E", "R", "C", "S", "get_rng", "set_rng"]
         assert not (a.posonlyargs or a.kwonlyargs or a.defaults or a.kw_defaults or a.vararg or a.kwarg)
         for s in fn.body[:-1]:
             self.statement(s)
@@ -215,19 +227,45 @@ class Shapes:
             assert type(e.value) in (str, int, float, bool, type(None))
             if type(e.value) is str:
                 assert e.value in self.strings
-        elif t is ast.UnaryOp:  # a negative number
-            assert type(e.op) is ast.USub and type(e.operand) is ast.Constant
+        elif t is ast.UnaryOp and type(e.operand) is ast.Constant:  # a negative number
+            assert type(e.op) is ast.USub
             assert type(e.operand.value) in (int, float)
+        elif t is ast.UnaryOp:
+            self.size(e)
         elif t is ast.List:
             for x in e.elts:
                 self.arg(x)
+        elif t is ast.Call and self.is_name(e.func, "max", "min"):
+            self.size(e)
         elif t is ast.Call:  # float('inf'), float('-inf'), float('nan')
             assert self.is_name(e.func, "float") and not e.keywords and len(e.args) == 1
             assert self.string_const(e.args[0]) in ("inf", "-inf", "nan")
         elif t is ast.Subscript and self.is_name(e.value, "E"):
             assert self.subscript(e, "E") in self.value_names
+        elif t is ast.BinOp or (t is ast.Subscript and self.is_name(e.value, "S")):
+            self.size(e)
         else:
             self.const_ref(e)
+
+    def size(self, e) -> None:
+        """A size expression: integers, S['symbol'], + - * // %, unary -, max, min."""
+        t = type(e)
+        if t is ast.Constant:
+            assert type(e.value) is int
+        elif t is ast.Subscript:
+            self.string_const(e.slice)
+            assert self.is_name(e.value, "S")
+        elif t is ast.BinOp:
+            assert type(e.op) in (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)
+            self.size(e.left)
+            self.size(e.right)
+        elif t is ast.UnaryOp:
+            assert type(e.op) is ast.USub
+            self.size(e.operand)
+        else:
+            assert t is ast.Call and self.is_name(e.func, "max", "min") and len(e.args) == 2 and not e.keywords
+            self.size(e.args[0])
+            self.size(e.args[1])
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -256,7 +294,7 @@ def _one_node_program(node: Node, inputs=("x", "y")) -> Program:
 
 
 def _run_forward(exe: Executable, env: dict) -> dict:
-    exe.forward_fn(env, {}, exe.consts, torch.get_rng_state, torch.set_rng_state)
+    exe.forward_fn(env, {}, exe.consts, {}, torch.get_rng_state, torch.set_rng_state)
     return env
 
 
@@ -282,9 +320,23 @@ def test_keyword_arguments_and_non_finite_floats_run(tmp_path):
 
 
 @pytest.mark.parametrize("arg", [Special("__import__('os')"), DType("load"), DType("float32)"),
-                                 Layout("float32"), MemoryFormat("nn")])
+                                 Layout("float32"), MemoryFormat("nn"), Sym("__import__('os')"),
+                                 Sym("T.__class__"), Sym("[T]"), Sym("T if T else 0"), Sym("T**2")])
 def test_other_torch_names_and_specials_are_refused(arg):
     node = Node("z", "aten.add.Tensor", [Ref("x"), Ref("y")], {"alpha": arg}, ["z"], FORWARD)
     with pytest.raises(PlanMismatch):
         Executable(_one_node_program(node))
 
+
+
+def test_sizes_are_computed_from_the_steps_sizes():
+    view = Node("z", "aten.view.default", [Ref("x"), Seq([Sym("B*T//(max(T,2)//2)"), Sym("max(T,2)//2")])], {}, ["z"], FORWARD)
+    values = [Value("x", INPUT, "float32", ["B", "T"], ["T", 1], "x", "4*B*T"),
+              Value("z", VALUE, "float32", ["B*T//(max(T,2)//2)", "max(T,2)//2"], ["max(T,2)//2", 1], "x", 0)]
+    program = Program(header=Header(sizes=["B=2..4", "T=2..8"]), values=values, nodes=[view],
+                      forward=[Instr(COMPUTE, "z")], backward=[], outputs=[Output(RESULT, "0", "z")])
+    exe = Executable(program)
+    x = torch.arange(12.0).reshape(3, 4)
+    env = {"x": x}
+    exe.forward_fn(env, {}, exe.consts, {"B": 3, "T": 4}, torch.get_rng_state, torch.set_rng_state)
+    assert env["z"].shape == (6, 2) and torch.equal(env["z"], x.view(6, 2))

@@ -91,6 +91,8 @@ def optimizer_state_bytes(program: Program, optimizer: str) -> int:
 def simulate(program: Program, *, grads_present: bool = True, optim_state_bytes: int | None = None,
              keep_timeline: bool = False, top_k: int = 8) -> MemoryReport:
     report = _play(program, grads_present, optim_state_bytes, keep_timeline, None)
+    if top_k <= 0:
+        return report
     # The storages live at the peak: a second pass that stops there is cheaper
     # than snapshotting at every new maximum (forward sets one per compute).
     try:

@@ -10,6 +10,6 @@ from remat_ir.ir.types import (  # noqa: F401 - the package's face
     BACKWARD, BUFFER, COMPUTE, COST_FLOPS, COST_MODELS, COST_PROFILE, DTYPE_BYTES, DTYPE_LONG,
     DTYPE_SHORT, FORMAT_VERSION, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE, RESULT, TANGENT,
     VALUE, VALUE_KINDS, Arg, Budget, Device, DType, Header, Instr, Layout, MemoryFormat, Node,
-    Output, Program, Ref, Seq, Special, Value, arg_depth, arg_refs, contiguous_stride, from_json,
+    Output, Program, Ref, Seq, Special, Sym, Value, arg_depth, arg_refs, contiguous_stride, from_json,
     from_msgpack, node_inputs, to_json, to_msgpack,
 )

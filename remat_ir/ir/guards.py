@@ -2,7 +2,8 @@
 
 Each guard is one line of text, `expression == value`: the expression is
 aten op calls over the step's inputs (`input('attention_mask')`) and buffers
-(`buffer('rope.inv_freq')`) and literals, written by the tracer
+(`buffer('rope.inv_freq')`), in a symbolic plan sizes (`size('B*T')`, an
+expression over its size symbols: `remat_ir.ir.sizes`) and literals, written by the tracer
 (`remat_ir.trace.guards`); the value is what it gave on the call the plan was
 made from.  `traced() == False` records that the model asked whether it was
 traced and was told no, as in eager.  A plan's step is its graph only while
@@ -113,6 +114,15 @@ def _build(node, text: str):
                 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
             kind, name = fname, node.args[0].value
             return lambda leaf: leaf(kind, name)
+        if fname == "size" and len(node.args) == 1 and not node.keywords \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            from remat_ir.ir.sizes import SizeError, size_text
+
+            try:
+                expr = size_text(node.args[0].value)
+            except SizeError as e:
+                raise GuardError(f"guard {text!r}: {e}") from None
+            return lambda leaf: leaf("size", expr)
         if fname == "float" and len(node.args) == 1 and isinstance(node.args[0], ast.Constant) \
                 and node.args[0].value in ("inf", "-inf", "nan"):
             return float(node.args[0].value)

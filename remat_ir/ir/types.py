@@ -67,13 +67,20 @@ class Special(msgspec.Struct, tag="special", frozen=True):
     name: str
 
 
+class Sym(msgspec.Struct, tag="sym", frozen=True):
+    """An integer argument that depends on sizes varying between calls: an
+    expression over the header's size symbols (`B*T`; `remat_ir.ir.sizes`)."""
+
+    expr: str
+
+
 class Seq(msgspec.Struct, tag="list", frozen=True):
     """A list argument (`[128]`, a list of tensors, ...)."""
 
     items: list[Arg]
 
 
-Arg = Union[Ref, DType, Device, Layout, MemoryFormat, Special, Seq, bool, int, float, str, None]
+Arg = Union[Ref, DType, Device, Layout, MemoryFormat, Special, Sym, Seq, bool, int, float, str, None]
 
 # ------------------------------------------------------------------- values
 
@@ -90,10 +97,12 @@ class Value(msgspec.Struct, omit_defaults=True):
     name: str
     kind: str
     dtype: str  # torch attribute name, e.g. "float32"
-    shape: list[int]
-    stride: list[int]
+    # A dimension, stride or byte count is an int, or in a symbolic plan an
+    # expression over its size symbols ("B*T"; `remat_ir.ir.sizes`).
+    shape: list[int | str]
+    stride: list[int | str]
     storage: str  # name of the value owning the storage; == name for an owner
-    nbytes: int  # bytes of the storage this value owns (0 for a view)
+    nbytes: int | str  # bytes of the storage this value owns (0 for a view)
     source: str = ""  # params/buffers: the module attribute path; inputs: the argument name
     requires_grad: bool = False
     aliases: list[str] = []  # other attribute paths of a tied parameter
@@ -199,6 +208,11 @@ class Header(msgspec.Struct, omit_defaults=True):
     # mask), each "expression == literal" over the inputs' names, aten ops only
     # (`remat_ir.trace.guards`): the step is this graph only while they hold.
     guards: list[str] = []
+    # A symbolic plan (`remat_ir.ir.sizes`): each size symbol and the range of
+    # sizes the plan covers, "T=32..128"; and the conditions on the sizes the
+    # traced code assumed ("T <= 128").  Empty: every size is a number.
+    sizes: list[str] = []
+    size_guards: list[str] = []
     comment: list[str] = []  # free text printed as `#` lines at the top
     # Header line name (`rir`, `model`, `fingerprint`, `device`, `cost`, `optimizer`,
     # `budget`, `has_loss`, `output_spec`) -> its 1-based `.rir` line, for messages;

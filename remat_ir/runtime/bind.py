@@ -27,6 +27,7 @@ import contextlib
 
 import torch
 
+from remat_ir.ir import sizes as sz
 from remat_ir.ir import BUFFER, INPUT, PARAM, Node, Program, Value
 
 
@@ -144,9 +145,10 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     # A model built inside FakeTensorMode traces in its own mode.
     mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
     device = next((p.device for p in model.parameters()), torch.device(program.header.device))
+    dynamic, at_sizes = _symbolic_call(program)
     with mode or contextlib.nullcontext():
         named, made = {}, {}
-        for v in program.values:
+        for v in at_sizes.values:
             if v.kind == INPUT:
                 # One tensor passed twice (`input_ids=ids, labels=ids`) is one storage in the plan.
                 t = made.get(v.storage)
@@ -172,7 +174,7 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
                            "unchanged, skip this check with wrap(..., check_model=False)") from e
     try:
         fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, autocast=program.header.autocast,
-                             model_name=program.header.model,
+                             model_name=program.header.model, dynamic=dynamic,
                              fake=True, neutral=is_neutral(program), guards=program.header.guards)
     except TraceError as e:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
@@ -188,6 +190,33 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     if difference:
         raise PlanMismatch(f"this model no longer produces the plan's graph: {difference}; {_RECOMPILE}",
                            line)
+
+
+def _symbolic_call(program: Program) -> tuple[dict | None, Program]:
+    """For a symbolic plan: which input dimensions are its symbols, and the
+    plan at sizes to trace the model with (each symbol a size of its own, so
+    that tracing keeps them apart); else (None, the plan)."""
+    if not sz.is_symbolic(program):
+        return None, program
+    ranges = sz.ranges(program)
+    sizes: dict[str, int] = {}
+    for s, r in ranges.items():  # the high end, or the largest size below it that no other symbol has
+        n = r.high
+        while n in sizes.values() and n > r.low:
+            n -= 1
+        sizes[s] = n
+    try:
+        at = sz.instantiate(program, sizes)
+    except sz.SizeError as e:
+        raise PlanMismatch(f"cannot check the model against the plan at {sizes}: {e}; for a model you know is "
+                           "unchanged, skip this check with wrap(..., check_model=False)") from None
+    dynamic: dict[str, dict[int, str]] = {}
+    for v in program.values:
+        if v.kind == INPUT:
+            dims = {d: x for d, x in enumerate(v.shape) if type(x) is str and x in ranges}
+            if dims:
+                dynamic[v.source or v.name] = dims
+    return dynamic, at
 
 
 def _blank(v: Value, device) -> torch.Tensor:

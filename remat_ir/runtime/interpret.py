@@ -24,6 +24,7 @@ from remat_ir import ir
 from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops that plans name)
 from remat_ir.ir.guards import Guard, GuardError, failed_guard
 from remat_ir.ir.specs import load_treespec
+from remat_ir.ir import sizes as sz
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
     ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
@@ -156,6 +157,11 @@ class Executable:
             return self._const(_torch_constant(a))
         if t is ir.Device:
             return self._const(torch.device(a.name))
+        if t is ir.Sym:
+            try:
+                return sz.python_code(a.expr, "S")  # (from the checked expression tree, never the text)
+            except sz.SizeError as e:
+                raise PlanMismatch(str(e)) from None
         if t is ir.Special:
             if a.name not in _SPECIALS:
                 raise PlanMismatch(f"unknown special float {a.name!r} (expected inf, -inf or nan)")
@@ -205,7 +211,7 @@ class Executable:
             body.append("return (" + "".join(f"E.pop({_str(v)}), " for v, _ in grads) + ")")
         else:
             body.append("return ()")
-        src = f"def {name}(E, R, C, get_rng, set_rng):\n" + "".join(f"    {ln}\n" for ln in body)
+        src = f"def {name}(E, R, C, S, get_rng, set_rng):\n" + "".join(f"    {ln}\n" for ln in body)
         scope: dict = {}
         exec(compile(src, f"<remat-ir {name}>", "exec"), scope)
         fn = scope[name]
@@ -230,6 +236,7 @@ class _State:
         self.rng: dict[str, torch.Tensor] = {}
         self.next_segment = 0
         self.device = device
+        self.sizes: dict[str, int] = {}  # a symbolic plan's sizes in this step
         if device.type == "cuda":
             self.get_rng = lambda: torch.cuda.get_rng_state(device)
             self.set_rng = lambda s: torch.cuda.set_rng_state(s, device)
@@ -241,7 +248,7 @@ class _State:
         # The plan's ops carry the casts of the autocast it was traced under:
         # an outer autocast must not cast them again.
         with autocast_off((self.device.type,)):
-            return fn(self.env, self.rng, self.exe.consts, self.get_rng, self.set_rng)
+            return fn(self.env, self.rng, self.exe.consts, self.sizes, self.get_rng, self.set_rng)
 
 
 def _token(device) -> torch.Tensor:
@@ -356,6 +363,8 @@ class PlanRunner:
         # Which parameters each backward piece produces gradients for.
         self.seg_keys = [keys for _, keys in exe.segments]
         self.input_names = [v.source or v.name for v in exe.inputs]
+        self.symbolic = sz.is_symbolic(program)
+        self._peaks: dict[tuple, tuple[int, int]] = {}  # (sizes, .grad present) -> peaks
         self.param_types = [(v, getattr(torch, v.dtype), torch.Size(v.shape)) for v in exe.params]
         try:
             self.guards = [Guard(g) for g in program.header.guards]
@@ -373,6 +382,11 @@ class PlanRunner:
 
     def accepts(self, call) -> str:
         """Why `call` (a `remat_ir.trace.calls.Call`) cannot run this plan, or ""."""
+        return self.sizes_of(call)[1]
+
+    def sizes_of(self, call) -> tuple[dict[str, int], str]:
+        """(the sizes of a symbolic plan's symbols in `call`, why the call
+        cannot run this plan or "")."""
         got = dict(zip(call.names, call.tensors))
         if sorted(got) != sorted(self.input_names):
             missing = [n for n in self.input_names if n not in got]
@@ -380,15 +394,47 @@ class PlanRunner:
             what = ([f"no tensor for {', '.join(missing)} (None or not given)"] if missing else []) + (
                 [f"a tensor for {', '.join(extra)}, which the plan was made without (None or not given)"]
                 if extra else [])
-            return (f"the plan takes the tensors {', '.join(self.input_names) or '(none)'}; this call passes "
-                    + " and ".join(what))
+            return {}, (f"the plan takes the tensors {', '.join(self.input_names) or '(none)'}; this call passes "
+                        + " and ".join(what))
         for v, name in zip(self.exe.inputs, self.input_names):
             x = got[name]
-            if list(x.shape) != v.shape or str(x.dtype) != "torch." + v.dtype:
-                return (f"input {name}: the plan was compiled for {v.dtype}{v.shape}, got "
-                        f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
-        return (constants_differ(self.program.header.constants, call)
-                or autocast_differs(self.program.header.autocast, call.autocast))
+            if str(x.dtype) != "torch." + v.dtype or (not self.symbolic and list(x.shape) != v.shape):
+                return {}, (f"input {name}: the plan was compiled for {v.dtype}{_shape_text(v.shape)}, got "
+                            f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
+        sizes: dict[str, int] = {}
+        if self.symbolic:
+            sizes, why = sz.bind_sizes([(name, v.shape, list(got[name].shape))
+                                        for v, name in zip(self.exe.inputs, self.input_names)])
+            why = why or sz.check_sizes(self.program, sizes)
+            if why:
+                return {}, why
+            for v, name in zip(self.exe.inputs, self.input_names):
+                # The plan's ops were traced for inputs laid out so (contiguous, mostly).
+                want = [sz.evaluate(x, sizes) for x in v.stride]
+                x = got[name]
+                if x.dim() and list(x.stride()) != want:
+                    return {}, f"input {name}: the plan takes strides {want} at these sizes, got {list(x.stride())}"
+        return sizes, (constants_differ(self.program.header.constants, call)
+                       or autocast_differs(self.program.header.autocast, call.autocast))
+
+    def peak(self, sizes: dict[str, int], grads_present: bool | None = None) -> tuple[int, int]:
+        """(the predicted peak, the peak in the budget's scope) of a step at
+        `sizes` (a plan without symbols: {}), with the parameters' `.grad`
+        present before it or not (None: the larger of the two, as the
+        verifier checks a budget).  Computed once per size, by the
+        simulator on that size's program."""
+        if grads_present is None:
+            a, b = self.peak(sizes, True), self.peak(sizes, False)
+            return max(a[0], b[0]), max(a[1], b[1])
+        key = (tuple(sorted(sizes.items())), grads_present)
+        if key not in self._peaks:
+            from remat_ir.check.simulate import simulate
+
+            program = sz.instantiate(self.program, sizes, refingerprint=False) if self.symbolic else self.program
+            report = simulate(program, grads_present=grads_present, top_k=0)
+            scope = self.program.header.budget.scope if self.program.header.budget else "total"
+            self._peaks[key] = (report.peak_bytes, report.scope_peak(scope))
+        return self._peaks[key]
 
     def failed_guard(self, model: torch.nn.Module, call) -> str:
         """Which of the plan's guards `call` breaks (the model's code would take
@@ -396,7 +442,14 @@ class PlanRunner:
         if not self.guards:
             return ""
         got = dict(zip(call.names, call.tensors))
-        return failed_guard(self.guards, lambda kind, name: got[name] if kind == "input" else model.get_buffer(name))
+        sizes = self.sizes_of(call)[0] if self.symbolic else {}
+
+        def leaf(kind, name):
+            if kind == "size":
+                return sz.evaluate(name, sizes)
+            return got[name] if kind == "input" else model.get_buffer(name)
+
+        return failed_guard(self.guards, leaf)
 
     def run(self, model: torch.nn.Module, call, *, guards_checked: bool = False):
         """One training step of `model` on `call`, by the plan."""
@@ -411,9 +464,18 @@ class PlanRunner:
                                    f"{list(p.shape)} but the plan was compiled for {v.dtype}{v.shape}; "
                                    "convert the model before wrapping it, or compile a plan for it as it is now")
             by_name[v.name] = p
-        problem = self.accepts(call) or (not guards_checked and self.failed_guard(model, call))
+        sizes, problem = self.sizes_of(call)
+        problem = problem or (not guards_checked and self.failed_guard(model, call))
         if problem:
             raise PlanMismatch(f"{problem}; compile a plan for this call")
+        budget = self.program.header.budget
+        if self.symbolic and budget is not None:
+            # A verified plan fits at both ends of its range; each size between them is checked too.
+            grads = any(p.grad is not None for p in by_name.values() if p.requires_grad)
+            peak = self.peak(sizes, grads)[1]
+            if peak > budget.bytes:
+                raise PlanMismatch(f"at {_sizes_text(sizes)} the plan's peak ({budget.scope}) is {peak} bytes, "
+                                   f"over its budget of {budget.bytes} bytes; compile a plan for this call")
         got = dict(zip(call.names, call.tensors))
         device = call.tensors[0].device if call.tensors else next(model.parameters()).device
         want = self.program.header.device
@@ -425,6 +487,7 @@ class PlanRunner:
         for v, name in zip(exe.inputs, self.input_names):
             by_name[v.name] = got[name]
         state = _State(exe, device)
+        state.sizes = sizes
         env = state.env
         # Graph inputs enter the environment detached: autograd sees them only
         # through the pieces below.
@@ -440,6 +503,14 @@ class PlanRunner:
         if self.output_spec is not None:
             return pytree.tree_unflatten(list(outs), self.output_spec)
         return outs[0] if len(outs) == 1 else outs
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(sz.size_text(d) for d in shape) + "]"
+
+
+def _sizes_text(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 class WrappedModule(torch.nn.Module):

@@ -125,8 +125,11 @@ class StepValues(TorchDispatchMode):
     value (a check against a plan), else queries run on the real tensors.
     `guards` collects what was asked, in order."""
 
-    def __init__(self, inputs: dict, buffers: dict, answers: dict | None = None):
+    def __init__(self, inputs: dict, buffers: dict, answers: dict | None = None, size_of: Callable | None = None):
         super().__init__()
+        # A symbolic trace: a size in a recipe (`mask.sum() == mask.numel()`)
+        # is written as its expression, `size('B*T')`, and valued at this call.
+        self.size_of = size_of
         self.recipes = WeakTensorKeyDictionary()
         self.leaves: dict = {}
         for kind, named in (("input", inputs), ("buffer", buffers)):
@@ -163,6 +166,14 @@ class StepValues(TorchDispatchMode):
     def _recipe(self, func, args, kwargs) -> _Op | None:
         """The recipe of `func(*args, **kwargs)` when every tensor operand has one."""
         def sub(x):
+            if isinstance(x, torch.SymInt) and self.size_of is not None:
+                text, value = self.size_of(x)
+                if type(text) is int:
+                    return text
+                self.leaves[("size", text)] = value
+                return _Leaf("size", text)
+            if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise _Opaque("size")
             if isinstance(x, torch.Tensor):
                 r = self.recipes.get(x)
                 if r is None:

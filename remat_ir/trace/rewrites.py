@@ -210,7 +210,8 @@ def _fuse_cross_entropy_backward(gm) -> None:
         with g.inserting_before(s):
             fused = g.call_function(nll_log_softmax_backward, (*n.args, *s.args[1:]))
         fused.meta = dict(s.meta)
-        fused.meta["flops"] = float(2 * sv.numel())  # the two kernels'
+        numel = sv.numel()  # (in a symbolic trace, at the traced sizes: float() of a size would fix it)
+        fused.meta["flops"] = float(2 * (numel.node.hint if isinstance(numel, torch.SymInt) else numel))  # the two kernels'
         s.replace_all_uses_with(fused)
         g.erase_node(s)
         g.erase_node(n)

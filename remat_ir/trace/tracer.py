@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -30,6 +31,7 @@ from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.schedule import default_schedule
 from remat_ir.ir.guards import GuardError, answers_of
 from remat_ir.trace.guards import StepValues
+from remat_ir.trace.symbolic import Symbolic, SymbolicError
 from remat_ir.trace.rewrites import NEUTRAL_NOTE, canonical_device, device_neutral, retarget, rewrite
 
 
@@ -46,7 +48,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
                  loss_fn: Callable | None = None, model_name: str = "", fake: bool = False,
                  device: str | None = None, fuse: bool = True, neutral: bool | None = None,
                  guards: list[str] | None = None, autocast: str | None = None,
-                 as_called: bool = False) -> Program:
+                 as_called: bool = False, dynamic: dict[str, dict[int, str]] | None = None) -> Program:
     """Trace one training step of `module(*example_inputs, **kwargs)`.
 
     The call's tensors are the plan's inputs, named after the forward's
@@ -81,6 +83,13 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     guards, and tracing probes answer as in eager (`remat_ir.trace.guards`);
     with fake inputs, nothing is answered.  `guards`: answer from these
     instead (a plan's own, to check a model against it).
+
+    `dynamic` makes a symbolic program (`remat_ir.ir.sizes`): for each input
+    named there, the dimensions that vary between calls and the symbol each
+    is ("input_ids": {0: "B", 1: "T"}).  The step is traced once with those
+    sizes as symbols (make_fx's symbolic tracing), so the program holds for
+    every size its `size_guards` allow; its range runs from the smallest
+    size the trace assumes to the call's.
     """
     from remat_ir.trace.calls import CallError, autocast_off, split_call
     from remat_ir.trace.checkpoint import inline_checkpoints
@@ -97,7 +106,9 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     try:
         # Checkpointed layers are traced as plain code: the plan decides what is recomputed.
         with torch.random.fork_rng(devices=[]), autocast_off(), inline_checkpoints():
-            return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral, guards)
+            return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral, guards, dynamic)
+    except SymbolicError as e:
+        raise TraceError(f"cannot trace one plan for every size: {e}") from None
     finally:
         for m, training in modes:
             m.training = training
@@ -124,7 +135,8 @@ def model_buffers(module: torch.nn.Module):
     return [tuple(x) for x in seen.values()]
 
 
-def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neutral=None, guards=None) -> Program:
+def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neutral=None, guards=None,
+           dynamic=None) -> Program:
     params = model_params(module)
     buffers = model_buffers(module)
     inputs = call.tensors
@@ -134,7 +146,11 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
 
     # Which fake mode: the model's own (built inside FakeTensorMode) or a new one.
     existing = next((t.fake_mode for _, t, _ in params if isinstance(t, FakeTensor)), None)
-    mode = existing or FakeTensorMode(allow_non_fake_inputs=False)
+    symbolic = Symbolic(call, dynamic) if dynamic else None
+    if symbolic and existing is not None:
+        raise TraceError("a model built inside FakeTensorMode is traced with the sizes it was built for; "
+                         "trace a symbolic plan from a model with real parameters")
+    mode = existing or FakeTensorMode(allow_non_fake_inputs=False, shape_env=symbolic and symbolic.env)
     if not fake and existing is None and any(t.is_meta for _, t, _ in params):
         raise TraceError("the model's parameters are on the meta device; build it inside FakeTensorMode instead")
 
@@ -146,18 +162,25 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
     move = None if on_cpu else canonical_device(target)
     autocast = _autocast_region(call.autocast, target, neutral)
 
-    def fakeify(t):
-        f = t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+    def fakeify(t, name=None):
+        if isinstance(t, FakeTensor):
+            f = t
+        elif symbolic:  # only the dynamic dimensions of inputs are symbols
+            f = mode.from_tensor(t, **symbolic.context(name, t))
+        else:
+            f = mode.from_tensor(t)
         return f.to(move) if move and f.device.type != target else f
 
     with mode:
         f_params = [fakeify(p).detach().requires_grad_(p.requires_grad) for _, p, _ in params]
         f_bufs = [fakeify(b) for _, b, _ in buffers]
-        f_inputs = [fakeify(x).detach().requires_grad_(x.requires_grad) for x in inputs]
+        f_inputs = [fakeify(x, n).detach().requires_grad_(x.requires_grad) for x, n in zip(inputs, in_names)]
+    if symbolic:
+        symbolic.name_symbols(f_inputs, in_names)
 
     names = [n for n, _, _ in params]
     bnames = [n for n, _, _ in buffers]
-    values = _step_values(call, inputs, f_inputs, buffers, f_bufs, guards)
+    values = _step_values(call, inputs, f_inputs, buffers, f_bufs, guards, symbolic)
 
     def run(ps, bs, xs):
         state = dict(zip(names, ps))
@@ -172,7 +195,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
 
     # A first pass to learn the forward results' structure and shapes.
     try:
-        with mode, fake_kernels(target):
+        with mode, fake_kernels(target), enable_python_dispatcher() if symbolic else contextlib.nullcontext():
             probe = run(f_params, f_bufs, f_inputs)
     except Exception as e:  # noqa: BLE001 - the model's own code failed under fake tensors
         raise _explain(e) from e
@@ -208,7 +231,10 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
     hooks = _install_module_hooks(module)
     try:
         with fx_traceback.preserve_node_meta(), mode, fake_kernels(target):
-            gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_inputs, *f_tangents)
+            # A symbolic trace runs composite ops' Python decompositions (pad's), which keep
+            # sizes symbolic, as make_fx's "symbolic" mode does (which would fake the inputs again).
+            with enable_python_dispatcher() if symbolic else contextlib.nullcontext():
+                gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_inputs, *f_tangents)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - make_fx raises many kinds; say what failed
@@ -220,7 +246,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
     _drop_unused(gm)
     rewrite(gm, target, fuse and not neutral)  # a neutral trace holds no device's fusions
     program = _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
-                          loss_fn is not None, model_name, values.guards if values else [])
+                          loss_fn is not None, model_name, values.guards if values else [], symbolic)
     if call.constants or call.autocast:
         # The call's non-tensor arguments and its autocast: another value is another step.
         program.header.constants = list(call.constants)
@@ -246,7 +272,7 @@ def _drop_unused(gm) -> None:
             gm.graph.erase_node(n)
 
 
-def _step_values(call, inputs, f_inputs, buffers, f_bufs, guards) -> StepValues | None:
+def _step_values(call, inputs, f_inputs, buffers, f_bufs, guards, symbolic=None) -> StepValues | None:
     """What answers the model's questions about its inputs' values in this
     trace: the call's real tensors, the plan's `guards`, or (fake inputs)
     nothing."""
@@ -263,7 +289,8 @@ def _step_values(call, inputs, f_inputs, buffers, f_bufs, guards) -> StepValues 
         return None
     ins = {n: (f, real(x)) for n, f, x in zip(call.names, f_inputs, inputs)}
     bufs = {n: (f, real(b)) for (n, b, _), f in zip(buffers, f_bufs)}
-    return StepValues(ins, bufs, answers)
+    size_of = (lambda x: (symbolic.size(x), symbolic.hint(x))) if symbolic is not None else None
+    return StepValues(ins, bufs, answers, size_of)
 
 
 def _autocast_region(autocast: str, target: str, neutral: bool):
@@ -392,13 +419,18 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec, has_loss,
-                model_name, guards=()) -> Program:
+                model_name, guards=(), symbolic: Symbolic | None = None) -> Program:
     graph = gm.graph
     fx_nodes = list(graph.nodes)
     placeholders = [n for n in fx_nodes if n.op == "placeholder"]
     out_node = next(n for n in fx_nodes if n.op == "output")
-    calls = [n for n in fx_nodes if n.op in ("call_function", "get_attr") and n.target is not operator.getitem]
+    calls = [n for n in fx_nodes if n.op in ("call_function", "get_attr") and n.target is not operator.getitem
+             and not _is_size(n)]
     for n in fx_nodes:
+        if _is_size(n):
+            if symbolic is None:
+                raise TraceError(f"the traced graph computes a size ({n.target}) in a trace without symbols")
+            continue
         if n.op == "get_attr":
             _constant_as_full(gm, n)
         elif n.op == "call_function" and n.target is not operator.getitem and not isinstance(
@@ -425,11 +457,16 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
         owner = owner_of_storage.get(key)
         if owner is None:
             owner_of_storage[key] = name
-            storage, nbytes = name, int(st.nbytes())
+            storage, nbytes = name, st.nbytes() if symbolic is not None else int(st.nbytes())
         else:
             storage, nbytes = owner, 0
-        v = Value(name=name, kind=kind, dtype=_dtype_name(t.dtype), shape=list(t.shape),
-                  stride=list(t.stride()), storage=storage, nbytes=nbytes, **kw)
+        if symbolic is not None:
+            shape, stride = [symbolic.size(d) for d in t.shape], [symbolic.size(d) for d in t.stride()]
+            nbytes = symbolic.size(nbytes) if storage == name else 0
+        else:
+            shape, stride = list(t.shape), list(t.stride())
+        v = Value(name=name, kind=kind, dtype=_dtype_name(t.dtype), shape=shape,
+                  stride=stride, storage=storage, nbytes=nbytes, **kw)
         values.append(v)
         vmap[name] = v
         return v
@@ -558,11 +595,11 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
                               flops=float(val.numel())))
             continue
         nodes.append(Node(
-            name=name, op=_op_string(n.target), args=[_arg(a, fx_value_name) for a in n.args],
-            kwargs={k: _arg(a, fx_value_name) for k, a in n.kwargs.items()}, outputs=outs, phase=phase,
+            name=name, op=_op_string(n.target), args=[_arg(a, fx_value_name, symbolic) for a in n.args],
+            kwargs={k: _arg(a, fx_value_name, symbolic) for k, a in n.kwargs.items()}, outputs=outs, phase=phase,
             module=mod, random=_is_random(n.target),
             mutates=[fx_value_name[(n.args[i], None)] for i in _mutated_indices(n)],
-            flops=_flops(n),
+            flops=_flops(n, symbolic),
         ))
 
     # Outputs: forward results, then gradients.
@@ -590,6 +627,8 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     nodes.sort(key=lambda nd: 0 if nd.phase == FORWARD else 1)
     header = Header(model=model_name, device=_device_of(params, buffers, inputs), output_spec=pytree.treespec_dumps(spec),
                     has_loss=has_loss, guards=list(guards))
+    if symbolic is not None:
+        header.sizes, header.size_guards = symbolic.header()
     program = Program(header=header, values=values, nodes=nodes, forward=[], backward=[], outputs=outputs)
     header.fingerprint = fingerprint(program)
     program.forward, program.backward = default_schedule(program)
@@ -679,14 +718,25 @@ def _mutated_indices(n) -> list[int]:
     return out
 
 
-def _arg(a, names) -> ir.Arg:
+def _is_size(n) -> bool:
+    """An fx node that computes a size (sym_size, a product of sizes), not a tensor."""
+    return n.op == "call_function" and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
+def _arg(a, names, symbolic=None) -> ir.Arg:
+    if isinstance(a, torch.fx.Node) and symbolic is not None and _is_size(a):
+        size = symbolic.size(a.meta["val"])
+        return size if type(size) is int else ir.Sym(size)
+    if isinstance(a, torch.SymInt) and symbolic is not None:
+        size = symbolic.size(a)
+        return size if type(size) is int else ir.Sym(size)
     if isinstance(a, torch.fx.Node):
         key = (a, None)
         if key not in names:
             raise TraceError(f"operand {a.name} has no tensor value")
         return ir.Ref(names[key])
     if isinstance(a, (list, tuple)):
-        return ir.Seq([_arg(x, names) for x in a])
+        return ir.Seq([_arg(x, names, symbolic) for x in a])
     if isinstance(a, bool) or a is None or isinstance(a, (int, str)):
         return a
     if isinstance(a, float):
@@ -706,9 +756,16 @@ def _arg(a, names) -> ir.Arg:
     raise TraceError(f"unsupported operand {a!r} of type {type(a).__name__}")
 
 
-def _flops(n) -> float:
+def _flops(n, symbolic=None) -> float:
     """FLOPs of one op: torch's formulas for matmuls/convs/attention, one per
-    output element for everything else, zero for views."""
+    output element for everything else, zero for views.  In a symbolic
+    trace, at the traced call's sizes (a cost weight, not a size)."""
+    if symbolic is not None:
+        return _flops_of(n, symbolic.hint)
+    return _flops_of(n, lambda x: x)
+
+
+def _flops_of(n, hint) -> float:
     op = n.target
     val = n.meta.get("val")
     if "flops" in n.meta:  # set by a rewrite that fused several ops
@@ -718,10 +775,10 @@ def _flops(n) -> float:
             args = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, n.args)
             kwargs = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a,
                                      n.kwargs)
-            return float(flop_registry[op._overloadpacket](*args, **kwargs, out_val=val))
+            return float(hint(flop_registry[op._overloadpacket](*args, **kwargs, out_val=val)))
         except Exception:  # noqa: BLE001 - fall back to the elementwise estimate
             pass
     if op.is_view or any(r.alias_info is not None for r in op._schema.returns):
         return 0.0
     outs = val if isinstance(val, (tuple, list)) else [val]
-    return float(sum(t.numel() for t in outs if isinstance(t, torch.Tensor)))
+    return float(sum(hint(t.numel()) for t in outs if isinstance(t, torch.Tensor)))
