@@ -209,19 +209,21 @@ class AutoRemat(WrappedModule):
     def _dynamic_dims(self, call) -> dict[str, dict[int, str]]:
         """Which of the call's dimensions vary between calls, each with its
         symbol: the batch (B: the first dimension of each tensor that has the
-        first tensor's), the sequence (T: the second dimension of the first
-        2-D integer tensor, the token ids, and each later dimension of that
-        size), dimensions seen to vary (S2, S3, ...), and those `max_shape`
-        names."""
+        first tensor's), the sequences (T, then S2, S3, ...: the second
+        dimension of each 2-D integer tensor, token ids, masks and labels,
+        and each later dimension of such a size), dimensions seen to vary,
+        and those `max_shape` names."""
         tensors = dict(zip(call.names, call.tensors))
+        if "/strided" in call.shape_class():
+            return {}  # a symbolic plan states each input's bytes from its sizes: dense inputs only
         first = next((t for t in call.tensors if t.dim() >= 1), None)
-        ids = next((t for t in call.tensors if t.dim() == 2 and not t.is_floating_point()
-                    and not t.is_complex()), None)
         size_symbol: dict[int, str] = {}
         if first is not None and first.shape[0] >= 2:
             size_symbol[int(first.shape[0])] = "B"
-        if ids is not None and ids.shape[1] >= 2 and int(ids.shape[1]) not in size_symbol:
-            size_symbol[int(ids.shape[1])] = "T"
+        for t in call.tensors:  # token sequences: ids, masks, labels (an encoder's and a decoder's)
+            if t.dim() == 2 and not (t.is_floating_point() or t.is_complex()) and t.shape[1] >= 2 \
+                    and int(t.shape[1]) not in size_symbol:
+                size_symbol[int(t.shape[1])] = "T" if "T" not in size_symbol.values() else f"S{len(size_symbol)}"
         seen = self._seen.get(call.shape_class(), [])
         varying = {(n, d) for n, t, s in zip(call.names, call.tensors, seen) for d in range(t.dim())
                    if s[d] != t.shape[d]}
@@ -299,20 +301,24 @@ class AutoRemat(WrappedModule):
             high = sz.ends(grown)[-1]
             if sz.check_sizes(grown, sizes) or sz.check_sizes(grown, high):
                 continue
+            traced = msgspec.structs.replace(traced, header=msgspec.structs.replace(traced.header, sizes=wider))
             o = self.options
             budget = program.header.budget
             if budget is not None and o["budget"] is not None and not (
                     isinstance(o["budget"], str) and o["budget"].strip().lower() == "floor"):
-                nbytes = pipeline.budget_bytes(sz.instantiate(traced, high), o["budget"], o["scope"])
+                # A fraction is of the unoptimized peak at the range's new high end.
+                nbytes = pipeline.budget_bytes(sz.instantiate(traced, high, refingerprint=False), o["budget"],
+                                               o["scope"])
                 budget = msgspec.structs.replace(budget, bytes=nbytes)
             elif budget is not None:
                 continue  # a floor is searched again
             header.budget = budget
             runner = PlanRunner(self.module, grown, self.loss_fn, check_model=False, check_plan=False)
+            if runner.failed_guard(self.module, call):
+                continue  # the model's code decides otherwise on this call's values
             if budget is not None and runner.peak(high)[1] > budget.bytes:
                 continue
-            self._traced[id(runner)] = msgspec.structs.replace(traced, header=msgspec.structs.replace(
-                traced.header, sizes=wider))
+            self._traced[id(runner)] = traced
             return runner
         return None
 

@@ -95,15 +95,23 @@ class Call:
 
     def shape_class(self) -> str:
         """`structure()` with each tensor's shape and strides reduced to its
-        number of dimensions: calls of one shape class differ only in sizes,
-        and a symbolic plan (`remat_ir.ir.sizes`) can serve them all."""
+        number of dimensions and whether it is dense (contiguous, in a storage
+        of its own size): calls of one shape
+        class differ only in sizes, and a symbolic plan (`remat_ir.ir.sizes`)
+        can serve them all."""
         parts = [str(self._spec)]
         for name, t in zip(self.names, self.tensors):
             parts.append(f"{name}:{str(t.dtype).removeprefix('torch.')}[{t.dim()}]"
+                         f"{'' if _dense(t) else '/strided'}"
                          f"@{t.device.type}{'+grad' if t.requires_grad else ''}")
         tensor_at = set(self._tensor_at)
         consts = [repr(x) for i, x in enumerate(self._leaves) if i not in tensor_at]
         return "|".join(parts + consts + ([f"autocast={self.autocast}"] if self.autocast else []))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def split_call(module: torch.nn.Module, args=(), kwargs: dict | None = None) -> Call:

@@ -21,6 +21,13 @@ class SymbolicError(ValueError):
     """The step does not trace to one program for every size: the message says why."""
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether `t` is contiguous and its storage holds exactly its elements:
+    then its bytes are a function of its sizes, as a symbolic plan states them."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
 class Symbolic:
     """The symbolic side of one trace: the ShapeEnv and the symbols' names."""
 
@@ -36,6 +43,8 @@ class Symbolic:
         size_of: dict[str, int] = {}
         got = dict(zip(call.names, call.tensors))
         for name, dims in self.dynamic.items():
+            if not dense(got[name]):
+                raise SymbolicError(f"input {name} is not a contiguous tensor with a storage of its own")
             for d, s in dims.items():
                 if not 0 <= d < got[name].dim():
                     raise SymbolicError(f"input {name} has no dimension {d}")
@@ -51,6 +60,18 @@ class Symbolic:
                                     "they differ")
         self.hints = size_of
         self.names: dict = {}  # sympy symbol -> name
+
+    @staticmethod
+    def own(t: torch.Tensor) -> torch.Tensor:
+        """`t` as an input of the trace: a view of a storage it covers exactly
+        (a batch sliced from a larger tensor and made contiguous is not one)
+        is faked without its base, whose sizes would be symbols of their own."""
+        if t._base is None:
+            return t
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # (called inside the fake mode)
+            return t.detach()
 
     def context(self, name: str | None, t: torch.Tensor) -> dict:
         """from_tensor's keyword arguments for an input `name` (None: a parameter or buffer)."""
@@ -112,8 +133,8 @@ class Symbolic:
             return f"({args[0]}//{args[1]})"
         if isinstance(e, (F.Mod, F.PythonMod)):
             return f"({args[0]}%{args[1]})"
-        if isinstance(e, (sympy.Max, sympy.Min)):
-            fn = "max" if isinstance(e, sympy.Max) else "min"
+        if isinstance(e, (sympy.Max, sympy.Min)) or type(e).__name__ in ("Max", "Min"):
+            fn = "max" if isinstance(e, sympy.Max) or type(e).__name__ == "Max" else "min"
             out = args[0]
             for a in args[1:]:
                 out = f"{fn}({out},{a})"

@@ -166,7 +166,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
         if isinstance(t, FakeTensor):
             f = t
         elif symbolic:  # only the dynamic dimensions of inputs are symbols
-            f = mode.from_tensor(t, **symbolic.context(name, t))
+            f = mode.from_tensor(symbolic.own(t), **symbolic.context(name, t))
         else:
             f = mode.from_tensor(t)
         return f.to(move) if move and f.device.type != target else f
