@@ -186,7 +186,12 @@ class AutoRemat(WrappedModule):
                 key, runner = k, r
                 break
         if runner is None:
-            runner = self._grown(call, shape_class) or self._plan(call)
+            # Planning is not part of the step: a dispatch mode the caller has on
+            # (a memory tracker, a FLOP counter) does not see its fake tensors.
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                runner = self._grown(call, shape_class) or self._plan(call)
             if not self.plans or guard is None:
                 self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
             key = (shape_class if runner.symbolic else structure, tuple(runner.program.header.guards))
@@ -198,6 +203,22 @@ class AutoRemat(WrappedModule):
                 self._traced.pop(id(self.plans.popitem(last=False)[1]), None)
         self.plans.move_to_end(key)
         return runner.run(self.module, call, guards_checked=True)
+
+    def plan_of(self, *args, **kwargs):
+        """The plan a training call with these arguments ran by, as a program
+        of its sizes (a symbolic plan instantiated at them: its peaks are the
+        simulator's for this call), or None when no plan in memory serves
+        such a call."""
+        from remat_ir.ir import sizes as sz
+        from remat_ir.trace.calls import split_call
+
+        call = split_call(self.module, args, kwargs)
+        structure, shape_class = call.structure(), call.shape_class()
+        for k, r in reversed(self.plans.items()):
+            if k[0] == (shape_class if r.symbolic else structure) and not r.accepts(call) \
+                    and not r.failed_guard(self.module, call):
+                return sz.instantiate(r.program, r.sizes_of(call)[0]) if r.symbolic else r.program
+        return None
 
     # ------------------------------------------------------------ sizes
 
