@@ -228,40 +228,13 @@ class AutoRemat(WrappedModule):
             s[:] = [max(a, b) for a, b in zip(s, t.shape)]
 
     def _dynamic_dims(self, call) -> dict[str, dict[int, str]]:
-        """Which of the call's dimensions vary between calls, each with its
-        symbol: the batch (B: the first dimension of each tensor that has the
-        first tensor's), the sequences (T, then S2, S3, ...: the second
-        dimension of each 2-D integer tensor, token ids, masks and labels,
-        and each later dimension of such a size), dimensions seen to vary,
-        and those `max_shape` names."""
-        tensors = dict(zip(call.names, call.tensors))
-        if "/strided" in call.shape_class():
-            return {}  # a symbolic plan states each input's bytes from its sizes: dense inputs only
-        first = next((t for t in call.tensors if t.dim() >= 1), None)
-        size_symbol: dict[int, str] = {}
-        if first is not None and first.shape[0] >= 2:
-            size_symbol[int(first.shape[0])] = "B"
-        for t in call.tensors:  # token sequences: ids, masks, labels (an encoder's and a decoder's)
-            if t.dim() == 2 and not (t.is_floating_point() or t.is_complex()) and t.shape[1] >= 2 \
-                    and int(t.shape[1]) not in size_symbol:
-                size_symbol[int(t.shape[1])] = "T" if "T" not in size_symbol.values() else f"S{len(size_symbol)}"
+        from remat_ir.trace.calls import dynamic_dims
+
         seen = self._seen.get(call.shape_class(), [])
         varying = {(n, d) for n, t, s in zip(call.names, call.tensors, seen) for d in range(t.dim())
                    if s[d] != t.shape[d]}
         named = {(n, d) for n, shape in self.max_shape.items() for d, x in enumerate(shape) if x is not None}
-        for n, d in sorted(varying | named, key=lambda nd: (call.names.index(nd[0]) if nd[0] in tensors else 0, nd[1])):
-            size = int(tensors[n].shape[d]) if n in tensors and d < tensors[n].dim() else 0
-            if size >= 2 and size not in size_symbol:
-                size_symbol[size] = f"S{len(size_symbol)}"
-        dims: dict[str, dict[int, str]] = {}
-        for n, t in tensors.items():
-            for d in range(t.dim()):
-                symbol = size_symbol.get(int(t.shape[d]))
-                if symbol == "B" and d != 0:
-                    continue  # a batch size elsewhere is a coincidence
-                if symbol is not None and (symbol != "T" or d >= 1):
-                    dims.setdefault(n, {})[d] = symbol
-        return dims
+        return dynamic_dims(call, varying | named)
 
     def _ranges(self, program, call) -> list[str]:
         """The range a new symbolic plan covers: from its low end to `max_shape`,

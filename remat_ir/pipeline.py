@@ -329,9 +329,16 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
             name: str | None = None, budget=None, scope: str = DEFAULT_SCOPE, optimizer: str = "none",
             fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5, time_limit: float = TIME_LIMIT,
             solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-            device: str | None = None, exact: bool = False, autocast: str | None = None) -> Program:
+            device: str | None = None, exact: bool = False, autocast: str | None = None,
+            dynamic: bool = False, max_sizes: dict[str, int] | None = None) -> Program:
     """Trace one training step of `model(*args, **kwargs)` and plan it for `budget`
     (None: the unoptimized plan); the plan returned verifies.
+
+    `dynamic`: a symbolic plan (`remat_ir.ir.sizes`), one for every batch
+    and sequence size (the dimensions `remat_ir.trace.calls.dynamic_dims`
+    picks), covering sizes up to this call's, or up to `max_sizes`
+    ({"T": 512}: symbol -> the largest size); a fraction of a budget is of
+    the peak at the largest sizes.
 
     `autocast` ("cpu:bfloat16", "" for none): the `torch.autocast` the step
     is traced under; by default the one in effect where `compile` is called
@@ -349,10 +356,47 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     check_time_limit(time_limit)
     if budget is not None:
         _check_optimizer_args(solver, effort)
+    dims = None
+    if dynamic:
+        from remat_ir.trace.calls import CallError, dynamic_dims, split_call
+
+        try:
+            dims = dynamic_dims(split_call(model, args, kwargs))
+        except CallError as e:
+            raise ValueError(str(e)) from None
+        if not dims:
+            raise ValueError("dynamic: this call has no batch or sequence dimension of size 2 or more (or an "
+                             "input that is not a contiguous tensor of its own): nothing to make a symbol")
     program = trace(model, args, kwargs, loss=loss, name=name, optimizer=optimizer, fake=fake, cost=cost,
-                    profile_repeats=profile_repeats, stats=stats, device=device, autocast=autocast)
+                    profile_repeats=profile_repeats, stats=stats, device=device, autocast=autocast,
+                    dynamic=dims)
+    if dims and max_sizes:
+        program.header.sizes = widen(program, max_sizes)
+        program.header.fingerprint = fingerprint(program)
     return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats,
                exact=exact)
+
+
+def widen(program: Program, max_sizes: dict[str, int]) -> list[str]:
+    """A symbolic program's ranges with their high ends at `max_sizes`
+    (symbol -> size; others as they are).  Raises ValueError for a symbol
+    the program has not, a size below its low end, or one its size guards
+    exclude."""
+    ranges = sizes.ranges(program)
+    unknown = [s for s in max_sizes if s not in ranges]
+    if unknown:
+        raise ValueError(f"no size symbol {', '.join(unknown)} in this plan (it has {', '.join(ranges) or 'none'})")
+    out = []
+    for s, r in ranges.items():
+        high = int(max_sizes.get(s, r.high))
+        if high < r.low:
+            raise ValueError(f"{s}={high} is below the smallest size the plan covers, {r.low}")
+        out.append(sizes.format_range(sizes.SizeRange(s, r.low, high)))
+    wide = msgspec.structs.replace(program, header=msgspec.structs.replace(program.header, sizes=out))
+    why = sizes.check_sizes(wide, sizes.ends(wide)[-1])
+    if why:
+        raise ValueError(why)
+    return out
 
 
 def plan_device(program: Program, device: str | None = None) -> str:

@@ -162,3 +162,31 @@ def test_instantiate_evaluates_every_size():
     assert at.nodes[0].args[1] == Seq([15]) and not at.header.sizes
     with pytest.raises(sz.SizeError, match="outside the plan's range"):
         sz.instantiate(program, {"B": 5, "T": 5})
+
+
+@pytest.mark.slow
+def test_trainer_with_a_padding_collator_trains_the_wrapped_model_as_the_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path / "cache"))
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+    vocab = {f"t{i}": i for i in range(127)} | {"[PAD]": 127}
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "t0")),
+                                  pad_token="[PAD]")
+    rng = random.Random(0)
+    data = [{"input_ids": [rng.randrange(127) for _ in range(rng.randint(8, 40))]} for _ in range(16)]
+    trained = {}
+    for name in ("eager", "wrapped"):
+        model = _llama(layers=1)
+        model.config.pad_token_id = 127
+        run = model if name == "eager" else remat_ir.wrap(model, budget=0.5)
+        args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], save_strategy="no",
+                                 dataloader_num_workers=0, disable_tqdm=True)
+        # The collator pads each batch to its own longest sequence: four shapes in four steps.
+        Trainer(model=run, args=args, train_dataset=data,
+                data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train()
+        trained[name] = (model, run)
+    (eager, _), (model, wrapped) = trained["eager"], trained["wrapped"]
+    assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), model.parameters()))
+    assert wrapped.solves == 1 and [r.symbolic for r in wrapped.plans.values()] == [True]

@@ -109,6 +109,41 @@ class Call:
         return "|".join(parts + consts + ([f"autocast={self.autocast}"] if self.autocast else []))
 
 
+def dynamic_dims(call: Call, also=()) -> dict[str, dict[int, str]]:
+    """Which of the call's dimensions a symbolic plan makes symbols, each
+    with its symbol ({"input_ids": {0: "B", 1: "T"}}): the batch (B: the
+    first dimension of each tensor that has the first tensor's), the
+    sequences (T, then S2, S3, ...: the second dimension of each 2-D integer
+    tensor, token ids, masks and labels, and each later dimension of such a
+    size), and the (name, dimension) pairs `also` names (seen to vary, or
+    given a maximum).  Sizes under 2 stay numbers (a batch of one is another
+    plan), as does every dimension of a call with an input that is not dense."""
+    tensors = dict(zip(call.names, call.tensors))
+    if not all(_dense(t) for t in call.tensors):
+        return {}  # a symbolic plan states each input's bytes from its sizes
+    first = next((t for t in call.tensors if t.dim() >= 1), None)
+    size_symbol: dict[int, str] = {}
+    if first is not None and first.shape[0] >= 2:
+        size_symbol[int(first.shape[0])] = "B"
+    for t in call.tensors:
+        if t.dim() == 2 and not (t.is_floating_point() or t.is_complex()) and t.shape[1] >= 2 \
+                and int(t.shape[1]) not in size_symbol:
+            size_symbol[int(t.shape[1])] = "T" if "T" not in size_symbol.values() else f"S{len(size_symbol)}"
+    order = {n: i for i, n in enumerate(call.names)}
+    for n, d in sorted(also, key=lambda nd: (order.get(nd[0], len(order)), nd[1])):
+        size = int(tensors[n].shape[d]) if n in tensors and d < tensors[n].dim() else 0
+        if size >= 2 and size not in size_symbol:
+            size_symbol[size] = f"S{len(size_symbol)}"
+    dims: dict[str, dict[int, str]] = {}
+    for n, t in tensors.items():
+        for d in range(t.dim()):
+            symbol = size_symbol.get(int(t.shape[d]))
+            if symbol is None or (symbol == "B" and d != 0) or (symbol != "B" and d == 0):
+                continue  # a batch size elsewhere, or a sequence length first, is a coincidence
+            dims.setdefault(n, {})[d] = symbol
+    return dims
+
+
 def _dense(t: torch.Tensor) -> bool:
     return (t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())

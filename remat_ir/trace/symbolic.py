@@ -122,9 +122,11 @@ class Symbolic:
             if e not in self.names:
                 raise SymbolicError(f"the size {e} is not one of the call's dimensions")
             return self.names[e]
+        if isinstance(e, sympy.Add):  # terms with a minus sign last, as subtractions: T-1, not (-1)+T
+            plus = [self._text(a) for a in e.args if not a.could_extract_minus_sign()]
+            minus = [self._text(-a) for a in e.args if a.could_extract_minus_sign()]
+            return "(" + ("+".join(plus) or "0") + "".join(f"-{m}" for m in minus) + ")"
         args = [self._text(a) for a in e.args]
-        if isinstance(e, sympy.Add):
-            return "(" + "+".join(args) + ")"
         if isinstance(e, sympy.Mul):
             return "(" + "*".join(args) + ")"
         if isinstance(e, sympy.Pow) and e.args[1].is_Integer and int(e.args[1]) >= 1:
