@@ -277,6 +277,7 @@ class AutoRemat(WrappedModule):
 
         from remat_ir import pipeline
         from remat_ir.ir import sizes as sz
+        from remat_ir.ir.fingerprint import fingerprint
 
         for k, r in list(self.plans.items()):
             traced = self._traced.get(id(r))
@@ -307,16 +308,21 @@ class AutoRemat(WrappedModule):
             elif budget is not None:
                 continue  # a floor is searched again
             header.budget = budget
+            header.fingerprint = fingerprint(grown)  # (the range is part of it)
             runner = PlanRunner(self.module, grown, self.loss_fn, check_model=False, check_plan=False)
             if runner.failed_guard(self.module, call):
                 continue  # the model's code decides otherwise on this call's values
             if budget is not None and runner.peak(high)[1] > budget.bytes:
                 continue
             self._traced[id(runner)] = traced
+            if self.cache_plans:  # the next process starts from the grown range
+                _store(cache_dir() / f"{type(self.module).__name__}-{self._key(traced)}.rir", grown)
             return runner
         return None
 
     def _plan(self, call) -> PlanRunner:
+        import msgspec
+
         from remat_ir import pipeline
         from remat_ir.ir.fingerprint import fingerprint
         from remat_ir.trace.tracer import TraceError
@@ -356,10 +362,15 @@ class AutoRemat(WrappedModule):
                 # (a file on disk can have been edited).
                 try:
                     runner = PlanRunner(self.module, cached, self.loss_fn, check_model=False)
-                    progress.note = f" (the plan cached in {path})"
-                    if traced is not None:
-                        self._traced[id(runner)] = traced
-                    return runner
+                    why = runner.accepts(call)
+                    if not why:
+                        progress.note = f" (the plan cached in {path})"
+                        if traced is not None:  # (the cached range, which a fraction of the budget refers to)
+                            self._traced[id(runner)] = msgspec.structs.replace(
+                                traced, header=msgspec.structs.replace(traced.header, sizes=cached.header.sizes))
+                        return runner
+                    print(f"remat-ir: the cached plan {path} does not serve this call ({why}): planning it "
+                          "again", file=sys.stderr)
                 except ValueError as e:
                     print(f"remat-ir: ignoring the cached plan {path}: {e}", file=sys.stderr)
             effort = {} if o["effort"] is None else {"effort": o["effort"]}
@@ -377,9 +388,21 @@ class AutoRemat(WrappedModule):
         from remat_ir.version import __version__
 
         o = self.options
-        facts = {"fingerprint": program.header.fingerprint, "torch": torch.__version__,
+        facts = {"fingerprint": _class_fingerprint(program), "torch": torch.__version__,
                  "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _class_fingerprint(program) -> str:
+    """The fingerprint of the step, without a symbolic plan's range: one file
+    per shape class, whatever sizes it was planned up to."""
+    if not program.header.sizes:
+        return program.header.fingerprint
+    import msgspec
+
+    from remat_ir.ir.fingerprint import fingerprint
+
+    return fingerprint(msgspec.structs.replace(program, header=msgspec.structs.replace(program.header, sizes=[])))
 
 
 def _load_cached(path: Path, program, options: dict):
@@ -396,7 +419,7 @@ def _load_cached(path: Path, program, options: dict):
     except (OSError, ValueError) as e:
         print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
         return None
-    if plan.header.fingerprint != program.header.fingerprint:
+    if _class_fingerprint(plan) != _class_fingerprint(program):
         return None
     problem = _cache_mismatch(plan.header, program.header, options)
     if problem is not None:
