@@ -121,12 +121,15 @@ def check_time_limit(time_limit) -> float:
 
 
 def _check_optimizer_args(solver: str, effort: str) -> None:
-    from remat_ir.optimize.milp import installed_solvers
+    from remat_ir.optimize.milp import NODE_LIMITED, installed_solvers
     from remat_ir.optimize.search import EFFORTS
 
     if solver.upper() not in installed_solvers():
         raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
                          f"{', '.join(installed_solvers())}")
+    if solver.upper() not in NODE_LIMITED:
+        raise ValueError(f"solver {solver} has no node limit, so a plan it makes would depend on the machine's "
+                         f"speed; use one of {', '.join(s for s in NODE_LIMITED if s in installed_solvers())}")
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
 

@@ -601,3 +601,24 @@ def test_a_budget_round_takes_its_rows_apart_then_the_highest_of_the_rest():
     few = {k: over[k] for k in (("b", 10), ("q", 11, 0), ("b", 11), ("q", 12, 3))}
     assert _highest_apart(set(few), few, 3, 2) == {("b", 10), ("q", 11, 0), ("b", 11)}
     assert _highest_apart(set(over), over, 0, 2) == set()
+
+
+def test_every_backend_a_plan_is_made_with_stops_at_a_node_limit():
+    from remat_ir.optimize.milp import NODE_LIMITED, solver_options
+
+    assert solver_options("HIGHS", 5, nodes=7)["mip_max_nodes"] == 7
+    assert solver_options("SCIP", 5, nodes=7)["scip_params"]["limits/nodes"] == 7
+    assert solver_options("CBC", 5, nodes=7)["maximumNodes"] == 7
+    assert solver_options("SCIPY", 5, nodes=7)["scipy_options"]["node_limit"] == 7
+    assert "GLPK_MI" not in NODE_LIMITED
+    with pytest.raises(ValueError, match="no node limit"):
+        solver_options("GLPK_MI", 5, nodes=7)
+
+
+def test_a_backend_without_a_node_limit_is_refused(monkeypatch):
+    from remat_ir import pipeline
+    from remat_ir.optimize import milp
+
+    monkeypatch.setattr(milp, "installed_solvers", lambda: ("HIGHS", "GLPK_MI"))
+    with pytest.raises(ValueError, match="GLPK_MI has no node limit.*use one of HIGHS"):
+        pipeline._check_optimizer_args("GLPK_MI", "fast")

@@ -741,12 +741,17 @@ def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6, nodes:
             params["limits/nodes"] = int(nodes)
         return {"scip_params": params}
     if solver == "CBC":
-        return {"maximumSeconds": max(1, int(time_limit))}
-    if solver == "GLPK_MI":
-        return {"tm_lim": int(time_limit * 1000), "mip_gap": rel_gap}
+        opts = {"maximumSeconds": max(1, int(time_limit)), "allowableFractionGap": rel_gap}
+        if nodes is not None:
+            opts["maximumNodes"] = int(nodes)
+        return opts
     if solver == "SCIPY":
-        return {"scipy_options": {"time_limit": float(time_limit), "mip_rel_gap": rel_gap}}
-    return {}
+        opts = {"time_limit": float(time_limit), "mip_rel_gap": rel_gap}
+        if nodes is not None:
+            opts["node_limit"] = int(nodes)
+        return {"scipy_options": opts}
+    raise ValueError(f"no node limit for the MILP backend {solver}: a search it stops would depend on the "
+                     f"machine's speed; use one of {', '.join(NODE_LIMITED)}")
 
 
 def has_solution(problem, solver: str) -> bool:
@@ -777,6 +782,10 @@ def mip_gap(problem, solver: str):
 
 
 MILP_SOLVERS = ("HIGHS", "SCIP", "CBC", "GLPK_MI", "SCIPY")
+# The backends with a branch-and-bound node limit, so that a search stopped
+# early stops at the same point on any machine: the ones a plan may be made
+# with.  GLPK has only a time limit.
+NODE_LIMITED = ("HIGHS", "SCIP", "CBC", "SCIPY")
 
 
 @functools.cache
