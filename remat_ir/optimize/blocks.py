@@ -169,11 +169,13 @@ def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[in
 
     # Assign storages; force-keep those crossing segments.
     fixed: dict[int, int] = {}
+    crossing: set[int] = set()
     for k, st in enumerate(a.storages):
         users = {seg_of[w] for al in st.aliases for w in _readers(a, al)}
         home = seg_of[st.owner]
         cross = {u for u in users if u != home}
         if cross:
+            crossing.add(k)
             home = max(cross)
             if a.kind[st.owner] == UNIT:
                 fixed[st.owner] = 1
@@ -189,7 +191,7 @@ def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[in
     for s in segs:
         stages = [j for k in s.storages for j in a.storages[k].reads + a.storages[k].holds]
         s.window = (min(stages), max(stages)) if stages else (a.nb, a.nb - 1)
-        s.signature = _signature(a, s, seg_of)
+        s.signature = _signature(a, s, crossing)
     return segs, fixed
 
 
@@ -217,8 +219,14 @@ def _unkeyed_name(a: Analysis, idx: list[int]) -> str:
     return a.fwd[idx[0]].name
 
 
-def _signature(a: Analysis, s: Segment, seg_of: list[int]) -> str:
-    """Structural hash of a segment: equal for repeated blocks."""
+def _signature(a: Analysis, s: Segment, crossing: set[int]) -> str:
+    """Structural hash of a segment: equal for repeated blocks.  Storages
+    that cross segments are left out: they are kept whatever a segment
+    decides, and the last block that reads one (the encoder output every
+    decoder block reads, a position bias every layer reads) is its home,
+    which would make that block unlike its twins.  A class shares its option
+    MILPs; each instance's options are then evaluated on the instance
+    itself, its own crossing storages included."""
     values = a.values
     local: dict[str, int] = {}
     ext: dict[str, int] = {}
@@ -256,8 +264,9 @@ def _signature(a: Analysis, s: Segment, seg_of: list[int]) -> str:
             local[o] = len(local)
         parts.append((n.op, args, kwargs, tuple(outs), n.flops, a.kind[i], n.random,
                       tuple(ref(m) for m in n.mutates)))
-    lo = s.window[0]
-    for k in s.storages:
+    own = [k for k in s.storages if k not in crossing]
+    lo = min((j for k in own for j in a.storages[k].reads + a.storages[k].holds), default=s.window[0])
+    for k in own:
         st = a.storages[k]
         parts.append(("st", ref(st.name), st.size, tuple(j - lo for j in st.reads),
                       tuple(j - lo for j in st.holds), tuple(w - s.nodes[0] for w in st.consumers)))

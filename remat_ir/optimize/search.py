@@ -210,32 +210,42 @@ def chain_dp(options: list[list[Option]], in_window: list[bool], start: float, b
 
     Returns (chosen option index per segment, or None; the objective; the
     frontier after each segment)."""
-    front = [(0.0, 0.0, -1, -1)]  # (S, cost or peak, parent, option)
+    # The frontier: rows (S, cost or peak, parent, option), as arrays.
+    front = np.array([[0.0, 0.0, -1, -1]])
     steps = []
     for opts, win in zip(options, in_window):
-        lims = [max(o.fwd_peak, o.bwd_peak) if win else o.fwd_peak for o in opts]
-        cand = []
-        for pi, (S, c, _, _) in enumerate(front):
-            for oi, o in enumerate(opts):
-                need = S + lims[oi]
-                if budget is None:
-                    cand.append((S + o.retained, max(c, need), pi, oi, o.cost))
-                elif need <= budget:
-                    cand.append((S + o.retained, c + o.cost, pi, oi, 0.0))
-        cand.sort(key=lambda t: (t[0], t[1], t[4], t[2], t[3]))
-        pruned, best = [], float("inf")
-        for t in cand:
-            if t[1] < best:
-                pruned.append(t[:4])
-                best = t[1]
+        lims = np.array([max(o.fwd_peak, o.bwd_peak) if win else o.fwd_peak for o in opts], dtype=float)
+        ret = np.array([o.retained for o in opts], dtype=float)
+        ocost = np.array([o.cost for o in opts], dtype=float)
+        S, c = front[:, 0][:, None], front[:, 1][:, None]
+        pi = np.broadcast_to(np.arange(len(front))[:, None], (len(front), len(opts)))
+        oi = np.broadcast_to(np.arange(len(opts))[None, :], (len(front), len(opts)))
+        need = S + lims[None, :]
+        s_new = S + ret[None, :]
+        if budget is None:
+            c_new, tie = np.maximum(c, need), np.broadcast_to(ocost[None, :], need.shape)
+            ok = np.ones(need.shape, dtype=bool)
+        else:
+            c_new, tie = c + ocost[None, :], np.zeros(need.shape)
+            ok = need <= budget
+        cs, cc, ct, cp, co = (x[ok] for x in (s_new, np.broadcast_to(c_new, need.shape), tie, pi, oi))
+        # Sorted by (S, cost, tie, parent, option); a state is kept when its
+        # cost is below every state with less or equal S before it.
+        order = np.lexsort((co, cp, ct, cc, cs))
+        cs, cc, cp, co = cs[order], cc[order], cp[order], co[order]
+        if len(cc):
+            best_before = np.concatenate(([np.inf], np.minimum.accumulate(cc)[:-1]))
+            keep = cc < best_before
+            cs, cc, cp, co = cs[keep], cc[keep], cp[keep], co[keep]
+        pruned = np.stack([cs, cc, cp.astype(float), co.astype(float)], axis=1) if len(cc) else np.zeros((0, 4))
         if len(pruned) > 20000:  # keep the frontier small: thin it evenly
             step = len(pruned) / 20000.0
-            pruned = [pruned[int(i * step)] for i in range(20000)] + [pruned[-1]]
+            pruned = np.concatenate([pruned[[int(i * step) for i in range(20000)]], pruned[-1:]])
         front = pruned
         steps.append(front)
-        if not front:
+        if not len(front):
             return None, None, steps
-    ok = [(max(t[1], start + t[0]) if budget is None else t[1], i) for i, t in enumerate(front)
+    ok = [(max(t[1], start + t[0]) if budget is None else t[1], i) for i, t in enumerate(front.tolist())
           if budget is None or start + t[0] <= budget]
     if not ok:
         return None, None, steps
@@ -243,8 +253,8 @@ def chain_dp(options: list[list[Option]], in_window: list[bool], start: float, b
     chosen = [0] * len(options)
     for k in range(len(options) - 1, -1, -1):
         t = steps[k][i]
-        chosen[k] = t[3]
-        i = t[2]
+        chosen[k] = int(t[3])
+        i = int(t[2])
     return chosen, float(val), steps
 
 
@@ -647,31 +657,25 @@ class Planner:
         return {o.kept for s in inst for o in self.options[s.index]} != before
 
     def _evaluate_options(self, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
+        """Each option of a class, mapped onto each instance and profiled
+        there: instances of a class share their structure, not every storage
+        (the storages crossing segments live where they are last read)."""
         a = self.a
-        others = set(self.all_dec) - set(canon.decisions)
-        for o in opts:
-            pr = profile(a, a.keep_of(others | set(o)), canon.storages, with_constants=False)
-            for s in inst:
-                nmap = dict(zip(canon.nodes, s.nodes))
-                db = s.window[0] - canon.window[0]
-                df = s.nodes[0] - canon.nodes[0]
-                lo, hi = self.part.get(s.index, (s.window[0], s.window[1]))
+        for s in inst:
+            nmap = dict(zip(canon.nodes, s.nodes))
+            others = set(self.all_dec) - set(s.decisions)
+            lo, hi = self.part.get(s.index, (s.window[0], s.window[1]))
+            f0, f1 = s.fwd_range
+            ts = np.arange(f0, f1 + 1)
+            for o in opts:
+                kept = frozenset(nmap[d] for d in o)
+                pr = profile(a, a.keep_of(others | set(kept)), s.storages, with_constants=False)
                 pb = 0
                 if hi >= lo:
                     js = np.arange(lo, hi + 1)
-                    rel = js - db
-                    ok = (rel >= 0) & (rel < a.nb)
-                    lb = np.zeros(len(js), dtype=np.int64)
-                    lq = np.zeros(len(js), dtype=np.int64)
-                    lb[ok] = pr.live_b[rel[ok]]
-                    lq[ok] = pr.live_q[rel[ok]]
-                    pb = int(max((a.const_b[js] + lb).max(), (a.const_pre[js] + lq).max()))
-                f0, f1 = s.fwd_range
-                ts = np.arange(f0, f1 + 1)
-                pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts - df]).max())
-                self.options.setdefault(s.index, []).append(Option(
-                    frozenset(nmap[d] for d in o), int(pr.retained), pf, pb, pr.cost))
-        for s in inst:
+                    pb = int(max((a.const_b[js] + pr.live_b[js]).max(), (a.const_pre[js] + pr.live_q[js]).max()))
+                pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts]).max())
+                self.options.setdefault(s.index, []).append(Option(kept, int(pr.retained), pf, pb, pr.cost))
             self.options[s.index] = pareto_options(self.options[s.index])
 
     # ---- decomposed: combining options
