@@ -265,10 +265,13 @@ def _signature(a: Analysis, s: Segment, crossing: set[int]) -> str:
         parts.append((n.op, args, kwargs, tuple(outs), n.flops, a.kind[i], n.random,
                       tuple(ref(m) for m in n.mutates)))
     own = [k for k in s.storages if k not in crossing]
-    lo = min((j for k in own for j in a.storages[k].reads + a.storages[k].holds), default=s.window[0])
+    # Backward stages by rank among the ones its storages are read or held at:
+    # a stage between them that none of them meets (another block's gradient
+    # accumulation) does not change the block's problem.
+    rank = {j: r for r, j in enumerate(sorted({j for k in own for j in a.storages[k].reads + a.storages[k].holds}))}
     for k in own:
         st = a.storages[k]
-        parts.append(("st", ref(st.name), st.size, tuple(j - lo for j in st.reads),
-                      tuple(j - lo for j in st.holds), tuple(w - s.nodes[0] for w in st.consumers)))
+        parts.append(("st", ref(st.name), st.size, tuple(rank[j] for j in st.reads),
+                      tuple(rank[j] for j in st.holds), tuple(w - s.nodes[0] for w in st.consumers)))
     h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
     return h
