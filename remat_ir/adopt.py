@@ -19,8 +19,9 @@ requires_grad or a submodule's mode changed), drops them and is planned
 again.
 
 The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
-`remat-ir` under the user's cache directory (`$XDG_CACHE_HOME` or
-`~/.cache`).  A plan's file name is a hash of the traced step's fingerprint
+`remat-ir` in the user's cache directory as `platformdirs` finds it
+(`$XDG_CACHE_HOME` or `~/.cache` on Linux, `~/Library/Caches` on macOS,
+`%LOCALAPPDATA%` on Windows).  A plan's file name is a hash of the traced step's fingerprint
 (the model's parameters, graph, input shapes and dtypes, output structure,
 loss), the planning options (budget, scope, optimizer, cost model, solver,
 effort, time limit) and the versions of torch and remat-ir, so a changed
@@ -60,8 +61,9 @@ def cache_dir() -> Path:
     """Where plans are cached: $REMAT_IR_CACHE, else remat-ir in the user's cache directory."""
     if os.environ.get("REMAT_IR_CACHE"):
         return Path(os.environ["REMAT_IR_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "remat-ir"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("remat-ir", appauthor=False))
 
 
 def _uses_fsdp(model) -> bool:

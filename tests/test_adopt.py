@@ -288,3 +288,17 @@ def test_cache_mismatch_names_the_optimizer_and_cost_model():
     assert _cache_mismatch(fits, Header(optim="adam"), dict(budget=0.5, scope="activations")) is None
     assert _cache_mismatch(fits, Header(optim="adam"), dict(budget="2KiB", scope="activations")) == \
         "made for a budget of 1024 bytes (activations), asked budget '2KiB' (activations): 2048 bytes"
+
+
+def test_the_cache_directory(monkeypatch, tmp_path):
+    import platformdirs
+
+    from remat_ir.adopt import cache_dir
+
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("REMAT_IR_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert str(cache_dir()) == platformdirs.user_cache_dir("remat-ir", appauthor=False)
+    if sys.platform.startswith("linux"):
+        assert cache_dir() == tmp_path / "xdg" / "remat-ir"
