@@ -7,6 +7,7 @@ import json
 import pytest
 
 from remat_ir.cli import bench
+from remat_ir.cli.methods import method_specs, select
 from remat_ir.runtime.run import matches
 
 
@@ -65,10 +66,10 @@ def test_rows(result):
 
 
 def test_methods_filter():
-    specs = bench.select(bench.method_specs([0.7, 0.5]), "ckpt-all,remat-0")
+    specs = select(method_specs([0.7, 0.5]), "ckpt-all,remat-0")
     assert [s.key for s in specs] == ["eager", "ckpt-all", "remat-0.7", "remat-0.5"]
     with pytest.raises(ValueError):
-        bench.select(bench.method_specs([0.5]), "nothing")
+        select(method_specs([0.5]), "nothing")
 
 
 def test_bad_input(capsys):

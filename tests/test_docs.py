@@ -25,14 +25,15 @@ MAX_README_LINES = 250
 
 # The two commands, verbatim: the README says them, .ci/run runs the second.
 MAIN_JOB = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && "
-            ".venv/bin/pip install -q -e . && .venv/bin/python tools/demo.py")
+            ".venv/bin/pip install -q -e . && .venv/bin/remat-compile gpt2-tiny -o gpt2-tiny.rir && "
+            ".venv/bin/remat-verify gpt2-tiny.rir && .venv/bin/remat-run gpt2-tiny.rir gpt2-tiny --steps 5 --check")
 TEST_COMMAND = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && "
                 ".venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q")
 
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-# A path into the repository, as the pages name one (`tools/bench.py`, `tests/test_adopt.py`).
+# A path into the repository, as the pages name one (`tools/step_time.py`, `tests/test_adopt.py`).
 REPO_PATH = re.compile(r"(?<![\w./-])((?:tools|tests|examples|remat_ir|grammar|schedules)/[\w./-]*\w)")
 # A console script: remat-X not inside a longer word, a path or a comma-separated list
 # (`--methods ckpt-all,remat-0.3,remat-floor` names benchmark methods, not commands).
@@ -146,7 +147,8 @@ def test_named_scripts_and_paths_exist(page):
 def test_command_checker_sees_names():
     text = "`remat-compile x`, remat-frobnicate, remat-ir's cache ~/.cache/remat-ir, --methods a,remat-floor"
     assert COMMAND.findall(text) == ["compile", "frobnicate", "ir"]
-    assert REPO_PATH.findall("run `tools/bench.py` and `python tools/nope.py`.") == ["tools/bench.py", "tools/nope.py"]
+    assert REPO_PATH.findall("run `tools/step_time.py` and `python tools/nope.py`.") == ["tools/step_time.py",
+                                                                                         "tools/nope.py"]
 
 
 def test_readme_results_table_is_the_benchmarks_page_table():

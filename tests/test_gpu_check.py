@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _load():
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -134,11 +135,11 @@ def test_gradient_mismatch_fails_where_eager_is_reproducible(gpu_check):
     import argparse
 
     def rows(remat_equal):
-        eager = gpu_check.Method("eager", "eager PyTorch", None)
-        plan = gpu_check.Method("remat-plan", "remat-ir, unoptimized plan", None)
+        eager = gpu_check.Check("eager", "eager PyTorch", "eager")
+        plan = gpu_check.Check("remat-plan", "remat-ir, unoptimized plan", "remat")
         for mm in (eager, plan):
-            mm.predicted_total = mm.measured_total = 100 * 2**20
-            mm.predicted_act = mm.measured_act = 10 * 2**20
+            mm.predicted_total = mm.total_peak = 100 * 2**20
+            mm.predicted_act = mm.act_peak = 10 * 2**20
         plan.grad_equal, plan.grad_diff = remat_equal, 0.0 if remat_equal else 1e-7
         return [eager, plan]
 

@@ -1,9 +1,12 @@
-"""Step time of a model run by its (unoptimized) plan vs eager PyTorch.
+"""The plan's overhead: step time of a model run by its (unoptimized) plan vs
+eager PyTorch, and the per-step model guard's share of it.
 
-    python tools/bench_overhead.py [--model gpt2-mid] [--steps 11] [--rounds 3] [--guard-calls 2000]
+    python tools/bench_overhead.py [--model gpt2-mid] [--steps 11] [--guard-calls 2000]
 
-Prints a table: eager and wrapped median step times and their ratio.  The two
-are interleaved step by step so machine noise hits both alike.  Then the
+Prints a table: eager and wrapped median step times and their ratio, timed
+as remat-bench times its methods (`remat_ir.cli.measure.time_rounds`: the
+order rotated each round so machine noise hits both alike; two warm-up
+rounds first, not counted).  Then the
 cost of the per-step model guard (`remat_ir.runtime.bind.ModelGuard`, part
 of each wrapped step above) alone: its check timed over `--guard-calls`
 calls, five times, the median, and its share of the wrapped step.
@@ -17,9 +20,14 @@ import time
 
 import torch
 
+from remat_ir.cli.measure import Row, time_rounds
 from remat_ir.runtime.interpret import wrap
 from remat_ir.runtime.load import load_model
 from remat_ir.trace.tracer import trace_module
+
+
+def print_nothing(line: str) -> None:
+    pass
 
 
 def main(argv=None) -> None:
@@ -45,26 +53,19 @@ def main(argv=None) -> None:
     def plan_step():
         wrapped(*m.inputs).backward()
 
-    times = {"eager": [], "remat-ir": []}
-    for i in range(args.steps + 2):
-        order = [("eager", eager_step), ("remat-ir", plan_step)]
-        if i % 2:
-            order.reverse()
-        for name, fn in order:
-            torch.manual_seed(i)
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            if i >= 2:  # two warm-up rounds
-                times[name].append(dt)
-    e, w = statistics.median(times["eager"]), statistics.median(times["remat-ir"])
+    steps = {"eager": eager_step, "remat-ir": plan_step}
+    cpu = torch.device("cpu")
+    time_rounds([Row(k, k, "warm-up") for k in steps], steps, 2, cpu, 0, print_nothing)  # not counted
+    rows = [Row(k, k, "timed") for k in steps]
+    time_rounds(rows, steps, args.steps, cpu, 0, print_nothing)
+    e, w = rows[0].step_time, rows[1].step_time
     shape = " x ".join(str(s) for s in m.inputs[0].shape)
     print(f"model {args.model} (inputs {shape}), {len(program.nodes)} ops, median of {args.steps} steps, "
           f"{torch.get_num_threads()} threads")
     print(f"| {'method':<10} | {'step time':>10} | {'ratio':>6} |")
     print(f"|{'-' * 12}|{'-' * 12}|{'-' * 8}|")
     print(f"| {'eager':<10} | {1e3 * e:>7.1f} ms | {1.0:>6.3f} |")
-    print(f"| {'remat-ir':<10} | {1e3 * w:>7.1f} ms | {w / e:>6.3f} |")
+    print(f"| {'remat-ir':<10} | {1e3 * w:>7.1f} ms | {rows[1].ratio:>6.3f} |")
 
     guard, module = wrapped._model_guard, wrapped.module
     rounds = []

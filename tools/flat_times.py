@@ -22,16 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import remat_ir.optimize.milp as milp  # noqa: E402
-import remat_ir.optimize.search as search  # noqa: E402
-from optimize_times import builtin, llama3, model_file  # noqa: E402
-from remat_ir.ir.costs import overhead  # noqa: E402
+import remat_ir.optimize.milp as milp
+import remat_ir.optimize.search as search
+from optimize_times import builtin, llama3, model_file
+from remat_ir.ir.costs import overhead
 
 MODELS = {
     "gpt2-tiny": (builtin("gpt2-tiny", fake=True), (0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75)),

@@ -21,6 +21,10 @@ bytes asked for, what the simulator models) and `max_memory_allocated`
 the step time relative to eager and to checkpointing every block, and the
 gradients against eager at the same seed.
 
+The rows are measured as remat-bench measures its methods, with the same
+functions (`remat_ir.cli.measure`): the first step from ``.grad = None`` for
+the gradients, the second for memory, rotated rounds for the step time.
+
 Eager's prediction is the step as eager PyTorch runs it on the device:
 traced there without remat-ir's fusions (on a CUDA machine, under fake CUDA
 tensors, so SDPA is the backend CUDA picks).
@@ -52,17 +56,15 @@ import statistics
 import sys
 import time
 import warnings
-
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-MiB = 2**20
-
-
-def _mib(n) -> str:
-    return "-" if n is None else f"{n / MiB:,.1f} MiB"
+from remat_ir.cli.bench_output import write_table
+from remat_ir.cli.measure import (Row, compare_grads, device_settings, first_step, grad_check, measured_step, mib,
+                                  paired_ratios, pre_existing, time_rounds)
+from remat_ir.cli.methods import checkpoint_blocks, find_blocks, quiet_stdout, restore_blocks
 
 
 def plan_name(model: str, batch: int, seq: int | None, device: str, tag: str) -> str:
@@ -105,8 +107,6 @@ def eager_program(model, inputs, loss_fn, name: str, device: str):
 def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
     """Fill `plans` (tag -> Program) for the missing tags; tag -> reason for
     those that could not be made."""
-    from remat_ir.cli.bench import quiet_stdout
-
     failed: dict[str, str] = {}
     if "plan" not in plans:
         t0 = time.perf_counter()
@@ -132,7 +132,7 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
                 p = fit(base, tag, scope="activations", time_limit=args.time_limit, stats=stats)
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible" and getattr(e, "floor_bytes", None):
-                failed[tag] = f"infeasible: below the floor, {_mib(e.floor_bytes)}"
+                failed[tag] = f"infeasible: below the floor, {mib(e.floor_bytes)}"
             else:
                 failed[tag] = f"{type(e).__name__}: {e}"
             _log(f"  {tag}: {failed[tag]}")
@@ -175,63 +175,30 @@ def load_plans(args, tags) -> tuple[dict, dict]:
 # --------------------------------------------------------------- running
 
 
-class Method:
-    def __init__(self, key, label, step, program=None):
-        self.key, self.label, self.step, self.program = key, label, step, program
-        self.status = "ok"
-        self.note = ""
-        self.times: list[float] = []
-        self.ratio_eager: list[float] = []
-        self.ratio_ckpt: list[float] = []
-        self.measured_total = self.measured_act = None
-        self.requested_total = self.requested_act = None  # CUDA only
-        self.predicted_total = self.predicted_act = None
-        self.grad_equal = None
-        self.grad_diff = None
-        self.grad_rel = None  # max relative difference from eager's gradients
-        self.raw_peak = None
+@dataclass
+class Check(Row):
+    """One row: remat-bench's `Row` (measured total and activation peaks,
+    step times, per-round ratios to eager) and what the check adds."""
+
+    step: Callable[[], object] | None = None
+    program: object = None  # the plan (remat-ir rows)
+    note: str = ""
+    requested_total: int | None = None  # CUDA only: the allocator's requested bytes
+    requested_act: int | None = None
+    raw_peak: int | None = None
+    grad_equal: bool | None = None
+    grad_rel: float | None = None  # max relative difference from eager's gradients
 
 
-def settings(dev: torch.device) -> dict:
-    """What the numbers depend on besides the code: versions, TF32, matmul precision."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # allow_tf32 is deprecated in favour of fp32_precision
-        s = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(dev),
-             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-             "tf32_matmul": getattr(torch.backends.cuda.matmul, "allow_tf32", None),
-             "tf32_cudnn": getattr(torch.backends.cudnn, "allow_tf32", None),
-             "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
-        if dev.type == "cuda":
-            s.update(device_name=torch.cuda.get_device_name(dev),
-                     capability=".".join(map(str, torch.cuda.get_device_capability(dev))),
-                     cudnn=torch.backends.cudnn.version(),
-                     cudnn_deterministic=torch.backends.cudnn.deterministic,
-                     cudnn_benchmark=torch.backends.cudnn.benchmark,
-                     sdp_enabled={k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
-                                  for k in ("flash", "mem_efficient", "math", "cudnn")
-                                  if hasattr(torch.backends.cuda, f"{k}_sdp_enabled")})
-        else:
-            s["device_name"] = "cpu"
-    return s
-
-
-def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
-    from torch.utils.checkpoint import checkpoint
-
+def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
     from remat_ir.check.simulate import simulate
-    from remat_ir.cli.bench import compare_grads, find_blocks, relative_grads
     from remat_ir.runtime.bind import PlanMismatch, first_difference
     from remat_ir.runtime.interpret import wrap
     from remat_ir.runtime.load import load_model
-    from remat_ir.runtime.memtrack import measure_step
     from remat_ir.runtime.run import optimizer_state
     from remat_ir.trace.rewrites import is_neutral
 
     dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
     info: dict = {}
     t0 = time.perf_counter()
     m = load_model(args.model, batch=args.batch, seq=args.seq, device=args.device, seed=args.seed)
@@ -240,11 +207,6 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
     loss_fn = m.loss
     _log(f"built {args.model} on {dev} in {time.perf_counter() - t0:.1f} s")
     opt_state = optimizer_state(model, "adam")
-    params = list(model.parameters())
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(dev)
 
     def eager_step():
         out = model(*inputs)
@@ -254,27 +216,18 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
     blocks = find_blocks(model) or []
 
     def ckpt_step():
-        saved = []
-        for b in blocks:
-            orig = b.forward
-
-            def fwd(*a, _orig=orig, **k):
-                return checkpoint(_orig, *a, use_reentrant=False, **k)
-
-            saved.append(b)
-            b.forward = fwd
+        # The model is shared with the other rows: checkpoint its blocks for this step only.
+        patched = checkpoint_blocks(blocks)
         try:
             eager_step()
         finally:
-            for b in saved:
-                del b.forward  # back to the class's forward
+            restore_blocks(patched)
 
-    eager = Method("eager", "eager PyTorch", eager_step)
+    eager = Check("eager", "eager PyTorch (predicted: its own trace)", "eager", step=eager_step)
     t1 = time.perf_counter()
     eager_prog = eager_program(model, inputs, loss_fn, m.name, args.device)
     rep = simulate(eager_prog, grads_present=True)
     eager.predicted_total, eager.predicted_act = rep.peak_bytes, rep.activation_peak_bytes
-    eager.label = "eager PyTorch (predicted: its own trace)"
     _log(f"eager's own trace on {dev}: {time.perf_counter() - t1:.1f} s")
     if "plan" in plans and is_neutral(plans["plan"]):
         difference, _ = first_difference(plans["plan"], eager_prog)
@@ -284,13 +237,11 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
 
     methods = [eager]
     if blocks:
-        methods.append(Method("ckpt-all", "checkpoint every block", ckpt_step))
+        methods.append(Check("ckpt-all", "checkpoint every block", "checkpoint", step=ckpt_step))
     for tag in args.tags:
         label = {"plan": "remat-ir, unoptimized plan", "floor": "remat-ir, floor"}.get(tag, f"remat-ir, budget {tag}")
         if tag not in plans:
-            mm = Method(f"remat-{tag}", label, None)
-            mm.status = f"n/a ({failed.get(tag, 'no plan')})"
-            methods.append(mm)
+            methods.append(Check(f"remat-{tag}", label, "remat", status=f"n/a ({failed.get(tag, 'no plan')})"))
             continue
         program = plans[tag]
         note = ""
@@ -304,97 +255,57 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Method], dict]:
                 note = f"model check: {str(e).split('; recompile')[0]}"
                 w = wrap(model, program, loss=loss_fn, check_model=False)
         except Exception as e:  # noqa: BLE001
-            mm = Method(f"remat-{tag}", label, None)
-            mm.status = f"failed: {type(e).__name__}: {e}"
-            methods.append(mm)
+            methods.append(Check(f"remat-{tag}", label, "remat", status=f"failed: {type(e).__name__}: {e}"))
             continue
 
         def plan_step(w=w):
             w(*inputs).backward()
 
-        mm = Method(f"remat-{tag}", label, plan_step, program)
-        mm.note = note
         rep = simulate(program, grads_present=True)
-        mm.predicted_total, mm.predicted_act = rep.peak_bytes, rep.activation_peak_bytes
-        methods.append(mm)
-
-    def grads_at_seed(step, seed):
-        for p in params:
-            p.grad = None
-        torch.manual_seed(seed)
-        step()
-        sync()
-        return [None if p.grad is None else p.grad.detach().clone() for p in params]
+        methods.append(Check(f"remat-{tag}", label, "remat", step=plan_step, program=program, note=note,
+                             predicted_total=rep.peak_bytes, predicted_act=rep.activation_peak_bytes))
 
     # Eager twice at the same seed: whether its gradients are reproducible
     # decides whether a plan's differing gradients fail the check.
-    ref = grads_at_seed(eager_step, args.seed)
-    again = grads_at_seed(eager_step, args.seed)
+    ref, _ = first_step(model, eager_step, args.seed, dev)
+    again, _ = first_step(model, eager_step, args.seed, dev)
     equal, diff = compare_grads(ref, again)
     info["eager_reproducible"] = equal
     info["eager_rerun_grad_diff"] = 0.0 if equal else diff
     del again
     _log(f"  eager twice at one seed: {'bitwise equal' if equal else f'differs by up to {diff:.3g}'}")
 
-    pre = {"params": params, "buffers": list(model.buffers()),
-           "inputs": [x for x in inputs if isinstance(x, torch.Tensor)], "optimizer": opt_state}
     for mm in methods:
         if mm.status != "ok":
             _log(f"  {mm.key:<12} {mm.status}")
             continue
         try:
             # Step 1 from .grad = None (also the CUDA warm-up): the gradients.
+            got, mm.first_step_s = first_step(model, mm.step, args.seed, dev)
             if mm.key != "eager":
-                grads = grads_at_seed(mm.step, args.seed)
-                mm.grad_equal, diff = compare_grads(ref, grads)
-                mm.grad_diff = 0.0 if mm.grad_equal else diff
-                mm.grad_rel = 0.0 if mm.grad_equal else relative_grads(ref, grads)
-                del grads
-            else:
-                grads_at_seed(mm.step, args.seed)
+                mm.grad_equal, mm.grad_diff, mm.grad_rel = grad_check(ref, got)
+            del got
             # Step 2 with .grad present: measured.
-            pre["grads"] = [p.grad for p in params if p.grad is not None]
-            torch.manual_seed(args.seed + 1)
-            if cuda:
-                torch.cuda.synchronize(dev)
-                req0 = torch.cuda.memory_stats(dev).get("requested_bytes.all.current")
-            mem = measure_step(mm.step, pre_existing=pre, device=dev)
+            pre = pre_existing(model, inputs, opt_state)
+            mem, requested = measured_step(mm.step, pre, args.seed + 1, dev)
             own = sum(v for k, v in mem.baseline_by_category.items() if k != "unregistered")
-            mm.measured_act = mem.peak_above_baseline
-            mm.measured_total = own + mem.peak_above_baseline
+            mm.act_peak = mem.peak_above_baseline
+            mm.total_peak = own + mem.peak_above_baseline
             mm.raw_peak = mem.peak_bytes
-            if cuda and req0 is not None:
-                # measure_step reset the peaks; this one is the step's.
-                mm.requested_act = torch.cuda.memory_stats(dev)["requested_bytes.all.peak"] - req0
-                mm.requested_total = own + mm.requested_act
-            _log(f"  {mm.key:<12} measured act {_mib(mm.requested_act if cuda else mm.measured_act)}, "
-                 f"predicted {_mib(mm.predicted_act)}")
+            if requested is not None:
+                mm.requested_act = requested
+                mm.requested_total = own + requested
+            _log(f"  {mm.key:<12} measured act {mib(mm.requested_act if dev.type == 'cuda' else mm.act_peak)}, "
+                 f"predicted {mib(mm.predicted_act)}")
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, ...) must not sink the rest
             mm.status = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         if mm.status != "ok":
             _log(f"  {mm.key:<12} {mm.status}")
-            for p in params:
+            for p in model.parameters():
                 p.grad = None
-            if cuda:
+            if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    ok = [mm for mm in methods if mm.status == "ok"]
-    by = {mm.key: mm for mm in ok}
-    for i in range(args.steps):
-        k = i % len(ok)
-        order = ok[k:] + ok[:k]
-        for mm in order:
-            torch.manual_seed(args.seed + 100 + i)
-            sync()
-            t1 = time.perf_counter()
-            mm.step()
-            sync()
-            mm.times.append(time.perf_counter() - t1)
-        for mm in ok:
-            if "eager" in by:
-                mm.ratio_eager.append(mm.times[-1] / by["eager"].times[-1])
-            if "ckpt-all" in by:
-                mm.ratio_ckpt.append(mm.times[-1] / by["ckpt-all"].times[-1])
-        _log(f"  round {i + 1}/{args.steps}: " + ", ".join(f"{mm.key} {1e3 * mm.times[-1]:.0f} ms" for mm in ok))
+    time_rounds(methods, {mm.key: mm.step for mm in methods if mm.ok}, args.steps, dev, args.seed, _log)
     return methods, info
 
 
@@ -402,13 +313,13 @@ def _pct(measured, predicted) -> str:
     return "-" if measured is None or predicted is None else f"{100 * (measured - predicted) / max(predicted, 1):+.2f}%"
 
 
-def report(args, methods: list[Method], info: dict, wall: float) -> tuple[str, bool, dict]:
+def report(args, methods: list[Check], info: dict, wall: float) -> tuple[str, bool, dict]:
     from remat_ir.rewrite import keeps_bits
     from remat_ir.runtime.run import GRAD_RTOL, matches
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    env = settings(dev)
+    env = device_settings(dev)
     repro = info.get("eager_reproducible", False)
     lines = [
         f"## gpu_check: {args.model}, batch {args.batch} x seq {args.seq}, fp32, Adam state, .grad present, "
@@ -421,6 +332,7 @@ def report(args, methods: list[Method], info: dict, wall: float) -> tuple[str, b
     mem_ok = grads_ok = True
     out = {"settings": env, "model": args.model, "batch": args.batch, "seq": args.seq, "rows": [], **info}
     notes = []
+    ckpt = next((mm for mm in methods if mm.key == "ckpt-all" and mm.ok), None)
     for mm in methods:
         row = {"key": mm.key, "label": mm.label, "status": mm.status}
         if mm.note:
@@ -431,16 +343,17 @@ def report(args, methods: list[Method], info: dict, wall: float) -> tuple[str, b
             out["rows"].append(row)
             continue
         # The verdict's measure: what was asked of the allocator on CUDA, the storage tracker on CPU.
-        total = mm.requested_total if cuda else mm.measured_total
-        act = mm.requested_act if cuda else mm.measured_act
+        total = mm.requested_total if cuda else mm.total_peak
+        act = mm.requested_act if cuda else mm.act_peak
         good = None
         if mm.predicted_total is not None and total is not None:
             good = matches(mm.predicted_total, total)
             mem_ok &= good
         diff = _pct(total, mm.predicted_total) + ("" if good in (None, True) else " (outside 1% + 1 MiB)")
-        t = statistics.median(mm.times) if mm.times else None
-        re_ = f"{statistics.median(mm.ratio_eager):.2f}x" if mm.ratio_eager else "-"
-        rc = f"{statistics.median(mm.ratio_ckpt):.2f}x" if mm.ratio_ckpt else "-"
+        t = mm.step_time
+        vs_ckpt = paired_ratios(mm, ckpt) if ckpt is not None else []
+        re_ = f"{mm.ratio:.2f}x" if mm.ratio is not None else "-"
+        rc = f"{statistics.median(vs_ckpt):.2f}x" if vs_ckpt else "-"
         if mm.key == "eager":
             gd = "reference"
         elif mm.grad_equal:
@@ -453,16 +366,15 @@ def report(args, methods: list[Method], info: dict, wall: float) -> tuple[str, b
             if mm.key.startswith("remat-") and repro:
                 grads_ok = False
                 gd += " (FAIL: eager is reproducible)"
-        lines.append(f"| {mm.label} | {_mib(mm.predicted_total)} | {_mib(total)} | {_mib(mm.predicted_act)} | "
-                     f"{_mib(act)} | {diff} | {_mib(mm.measured_act) if cuda else '-'} | "
-                     f"{_pct(mm.measured_act, mm.predicted_act) if cuda else '-'} | "
+        lines.append(f"| {mm.label} | {mib(mm.predicted_total)} | {mib(total)} | {mib(mm.predicted_act)} | "
+                     f"{mib(act)} | {diff} | {mib(mm.act_peak) if cuda else '-'} | "
+                     f"{_pct(mm.act_peak, mm.predicted_act) if cuda else '-'} | "
                      f"{'-' if t is None else f'{1e3 * t:.0f} ms'} | {re_} | {rc} | {gd} |")
-        row.update(predicted_total=mm.predicted_total, measured_total=mm.measured_total,
-                   predicted_act=mm.predicted_act, measured_act=mm.measured_act,
+        row.update(predicted_total=mm.predicted_total, measured_total=mm.total_peak,
+                   predicted_act=mm.predicted_act, measured_act=mm.act_peak,
                    requested_total=mm.requested_total, requested_act=mm.requested_act, raw_peak=mm.raw_peak,
                    within_tolerance=good, step_times=mm.times,
-                   ratio_eager=statistics.median(mm.ratio_eager) if mm.ratio_eager else None,
-                   ratio_ckpt=statistics.median(mm.ratio_ckpt) if mm.ratio_ckpt else None,
+                   ratio_eager=mm.ratio, ratio_ckpt=statistics.median(vs_ckpt) if vs_ckpt else None,
                    grad_equal=mm.grad_equal, grad_diff=mm.grad_diff, grad_rel=mm.grad_rel,
                    rewrites=list(mm.program.header.rewrites) if mm.program is not None else [])
         if mm.program is not None:
@@ -583,19 +495,8 @@ def _main(argv) -> int:
         return 0 if all(why.startswith("infeasible") for why in failed.values()) else 1
     methods, info = run(args, plans, failed)
     md, ok, js = report(args, methods, info, time.perf_counter() - t0)
-    write_report(args, md, js)
+    write_table(md, args.md, js, args.json)
     return 0 if ok else 1
-
-
-def write_report(args, md: str, js) -> None:
-    """The markdown table to stdout and to `--md`, the JSON to `--json`."""
-    sys.stdout.write(md)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(js, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,46 +26,28 @@ Exit code 0 (the answers are data, not a verdict), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-if __package__ in (None, ""):  # run as a script from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 
-
-def gpu_check():
-    """tools/gpu_check.py, whose settings record and report writer the probe shares."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import gpu_check as module
-
-    return module
-
-
-def _settings(dev: torch.device) -> dict:
-    return gpu_check().settings(dev)
-
-
-def _grads(module, inputs, loss_fn, seed):
-    for p in module.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    out = module(*inputs)
-    (loss_fn(out, *inputs) if loss_fn is not None else out).backward()
-    return [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
+from remat_ir.cli.bench_output import write_table
+from remat_ir.cli.measure import compare_grads, device_settings, first_step
 
 
 def eager_reproducible(name: str, dev: torch.device, seed: int = 0) -> tuple[bool, str]:
-    from remat_ir.cli.bench import compare_grads
     from remat_ir.runtime.load import load_model
 
     m = load_model(name, device=dev.type, seed=seed)
     module = m.module.to(dev).train()
     inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in m.inputs)
-    a = _grads(module, inputs, m.loss, seed)
-    b = _grads(module, inputs, m.loss, seed)
+
+    def step():
+        out = module(*inputs)
+        (m.loss(out, *inputs) if m.loss is not None else out).backward()
+
+    a, _ = first_step(module, step, seed, dev)
+    b, _ = first_step(module, step, seed, dev)
     equal, diff = compare_grads(a, b)
     return equal, "bitwise equal" if equal else f"max diff {diff:.3g}"
 
@@ -184,15 +166,15 @@ def main(argv=None) -> int:
     ask("one-byte dropout draw gives eager's in-place bernoulli_ mask", lambda: one_byte_dropout(dev))
     ask("SDPA traced on this device", lambda: sdpa_kernel(dev))
 
-    env = _settings(dev)
+    env = device_settings(dev)
     lines = [f"## gpu_probe: {dev.type} ({env.get('device_name')}), torch {torch.__version__}", "",
              "| question | answer | evidence |", "|---|---|---|"]
     lines += [f"| {q} | {'yes' if ok else 'no'} | {why} |" for q, ok, why in rows]
     lines += ["", "- settings: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device"),
               f"- wall time {time.perf_counter() - t0:.0f} s"]
     md = "\n".join(lines) + "\n"
-    gpu_check().write_report(args, md, {"settings": env, "rows": [
-        {"question": q, "answer": ok, "evidence": why} for q, ok, why in rows]})
+    write_table(md, args.md, {"settings": env, "rows": [
+        {"question": q, "answer": ok, "evidence": why} for q, ok, why in rows]}, args.json)
     return 0
 
 

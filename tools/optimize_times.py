@@ -19,15 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from remat_ir.ir.printer import format_program
+from remat_ir.optimize.search import Planner, optimize, resolve_budget
+from remat_ir.optimize.pareto import sweep
+from remat_ir.pipeline import trace
+from remat_ir.runtime.load import load_model
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from remat_ir.ir.printer import format_program  # noqa: E402
-from remat_ir.optimize.search import Planner, optimize, resolve_budget  # noqa: E402
-from remat_ir.optimize.pareto import sweep  # noqa: E402
-from remat_ir.pipeline import trace  # noqa: E402
-from remat_ir.runtime.load import load_model  # noqa: E402
-
 SCOPE = "activations"
 
 

@@ -16,18 +16,14 @@ it says optimal, no plan of the family recomputes less.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from remat_ir.models import GPT, GPTConfig  # noqa: E402
-from remat_ir.optimize.search import Infeasible, optimize, resolve_budget  # noqa: E402
-from remat_ir.pipeline import trace_builtin  # noqa: E402
-from remat_ir.trace.tracer import trace_module  # noqa: E402
+from remat_ir.models import GPT, GPTConfig
+from remat_ir.optimize.search import Infeasible, optimize, resolve_budget
+from remat_ir.pipeline import trace_builtin
+from remat_ir.trace.tracer import trace_module
 
 
 def gpt_no_dropout():

@@ -24,15 +24,11 @@ program on a chain; every plan's peak is the simulator's.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from remat_ir.optimize.search import Infeasible, floor, optimize, unoptimized_peak  # noqa: E402
-from remat_ir.ir.printer import human_bytes  # noqa: E402
-from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES  # noqa: E402
+from remat_ir.optimize.search import Infeasible, floor, optimize, unoptimized_peak
+from remat_ir.ir.printer import human_bytes
+from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
 
 
 def main(argv=None) -> int:

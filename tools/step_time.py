@@ -15,7 +15,7 @@ The criteria, each printed as a PASS/FAIL line:
    checkpointing's, and step time lower than checkpointing's.
 
 Everything is measured as `remat-bench` measures it (the functions are
-`remat_ir.cli.bench`'s): memory of the second step (``.grad`` present) with the
+`remat_ir.cli.measure`'s): memory of the second step (``.grad`` present) with the
 storage tracker, gradients of the first step compared bitwise with eager,
 step time the median of ``--steps`` rounds with the methods' order rotated
 each round; a ratio is the median over rounds of the two methods' times in
@@ -36,8 +36,9 @@ import time
 
 import torch
 
-from remat_ir.cli import bench
-from remat_ir.cli.bench import MiB, MethodSpec, Row
+from remat_ir.cli.bench import apply_threads, default_args
+from remat_ir.cli.measure import MiB, Context, MethodSpec, Row, eager_reference, measure, paired_ratios, time_rounds
+from remat_ir.cli.methods import prep_ckpt_all, prep_eager, prep_remat
 from remat_ir.ir.costs import overhead_text
 
 RATIO_LIMIT = 1.10
@@ -49,13 +50,6 @@ def _mib(n: float) -> str:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
-
-
-def _paired_ratios(a: Row, b: Row) -> list[float]:
-    """a's step time / b's, round by round."""
-    if len(a.times) != len(b.times):
-        return []
-    return [x / y for x, y in zip(a.times, b.times)]
 
 
 def _spread(ratios: list[float]) -> str:
@@ -109,13 +103,13 @@ def main(argv=None) -> int:
         print("step_time.py: error: --budget is a fraction in (0, 1]", file=sys.stderr)
         return 2
     log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    args = bench.default_args(model=a.model, batch=a.batch, seq=a.seq, device="cpu", steps=a.steps,
+    args = default_args(model=a.model, batch=a.batch, seq=a.seq, device="cpu", steps=a.steps,
                               optimizer=a.optimizer, time_limit=a.time_limit, cost=a.cost, threads=a.threads,
                               seed=a.seed, quiet=a.quiet)
-    bench.apply_threads(args)
+    apply_threads(args)
     t_start = time.perf_counter()
-    ctx = bench.Context(args)
-    ref = bench.eager_reference(ctx)
+    ctx = Context(args)
+    ref = eager_reference(ctx)
 
     frac = f"{a.budget:g}"
     rows: dict[str, Row] = {}
@@ -123,15 +117,15 @@ def main(argv=None) -> int:
     budgets: dict[str, str] = {}
 
     def run(spec: MethodSpec) -> None:
-        row, prep = bench.measure(ctx, spec, ref, log)
+        row, prep = measure(ctx, spec, ref, log)
         rows[spec.key] = row
         if prep is not None:
             preps[spec.key] = prep
 
-    for spec in (MethodSpec("eager", "eager PyTorch", "eager", bench.prep_eager),
-                 MethodSpec("ckpt-all", "checkpoint every block", "checkpoint", bench.prep_ckpt_all),
+    for spec in (MethodSpec("eager", "eager PyTorch", "eager", prep_eager),
+                 MethodSpec("ckpt-all", "checkpoint every block", "checkpoint", prep_ckpt_all),
                  MethodSpec("remat-plan", "remat-ir, unoptimized plan", "remat",
-                            lambda c: bench.prep_remat(c, None))):
+                            lambda c: prep_remat(c, None))):
         run(spec)
     eager = rows["eager"]
     if not eager.ok:
@@ -144,21 +138,21 @@ def main(argv=None) -> int:
     half = int(a.budget * eager.act_peak)
     budgets[f"remat-{frac}"] = f"{frac} x eager's = {half / MiB:.1f} MiB"
     run(MethodSpec(f"remat-{frac}", f"remat-ir, budget {frac} of eager's peak", "remat",
-                   lambda c: bench.prep_remat(c, half)))
+                   lambda c: prep_remat(c, half)))
     budgets[f"remat-{frac}-plan"] = f"{frac} x the unoptimized plan's"
     run(MethodSpec(f"remat-{frac}-plan", f"remat-ir, budget {frac} of its unoptimized plan's peak", "remat",
-                   lambda c: bench.prep_remat(c, frac)))
+                   lambda c: prep_remat(c, frac)))
     ckpt = rows["ckpt-all"]
     if ckpt.ok:
         # The measured peak, not a fraction: "at equal or lower measured peak".
         nbytes = int(ckpt.act_peak)
         budgets["remat-ckpt"] = f"{nbytes / MiB:.1f} MiB (= ckpt-all measured)"
         run(MethodSpec("remat-ckpt", "remat-ir, budget = ckpt-all's peak", "remat",
-                       lambda c: bench.prep_remat(c, nbytes)))
+                       lambda c: prep_remat(c, nbytes)))
 
     log("timing:")
     ordered = list(rows.values())
-    bench.time_rounds(ctx, ordered, preps, a.steps, log)
+    time_rounds(ordered, {k: p.step for k, p in preps.items()}, a.steps, ctx.device, args.seed, log)
     wall = time.perf_counter() - t_start
 
     e_act = eager.act_peak
@@ -227,7 +221,7 @@ def main(argv=None) -> int:
         print(f"FAIL criterion 2: remat-ir at checkpoint-every-block's measured peak "
               f"({_mib(ckpt.act_peak)}): {why}")
     else:
-        paired = _paired_ratios(r2, ckpt)
+        paired = paired_ratios(r2, ckpt)
         vs_ckpt = statistics.median(paired) if paired else float("nan")
         mem_ok = r2.act_peak <= ckpt.act_peak
         t_ok = bool(paired) and vs_ckpt < 1.0

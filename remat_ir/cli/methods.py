@@ -1,0 +1,257 @@
+"""The methods remat-bench measures side by side: its peers (eager PyTorch,
+torch.utils.checkpoint around the model's blocks, selective activation
+checkpointing, torch.compile's activation_memory_budget) and remat-ir's
+plans, each prepared on a fresh copy of the model (`remat_ir.cli.measure.Context`)
+as a `Prepared` step.
+
+Blocks are ``model.transformer.h`` (also found one level down, e.g.
+``model.model.transformer.h`` for transformers' GPT-2), else the longest
+``nn.ModuleList`` in the model.  transformers models are checkpointed through
+their own ``gradient_checkpointing_enable`` (with the same checkpoint
+function and arguments), which also turns their KV cache off.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import warnings
+
+import torch
+
+from remat_ir.cli.measure import Context, MethodSpec, Prepared, Unavailable, mib
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Silence fd 1 (HiGHS prints a banner from C++ even with verbose=False)."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # pytest capture without a real fd
+        yield
+        return
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The repeated blocks to checkpoint: `transformer.h` (at any depth), else
+    the longest ModuleList."""
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and (name == "transformer.h" or name.endswith(".transformer.h")):
+            return list(mod)
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1:
+            if best is None or len(mod) > len(best):
+                best = mod
+    return list(best) if best is not None else None
+
+
+def checkpoint_blocks(blocks, every: int = 1, context_fn=None) -> list[torch.nn.Module]:
+    """Run every `every`-th block's forward under torch.utils.checkpoint
+    (use_reentrant=False, `context_fn` when given): the instance's forward is
+    replaced; `restore_blocks` undoes it.  The blocks patched."""
+    from torch.utils.checkpoint import checkpoint
+
+    patched = []
+    for i, b in enumerate(blocks):
+        if i % every:
+            continue
+        orig = b.forward  # the bound method of this instance
+        kw = {"use_reentrant": False}
+        if context_fn is not None:
+            kw["context_fn"] = context_fn
+
+        def fwd(*a, _orig=orig, _kw=kw, **k):
+            return checkpoint(_orig, *a, **_kw, **k)
+
+        b.forward = fwd
+        patched.append(b)
+    return patched
+
+
+def restore_blocks(blocks) -> None:
+    """Undo `checkpoint_blocks`: each block's forward is its class's again."""
+    for b in blocks:
+        del b.forward
+
+
+def plain_step(ctx: Context, module, call=None):
+    call = call or module
+
+    def step():
+        out = call(*ctx.inputs)
+        loss = ctx.loss_fn(out, *ctx.inputs) if ctx.loss_fn is not None else out
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def prep_eager(ctx: Context) -> Prepared:
+    m = ctx.fresh()
+    return Prepared(m, plain_step(ctx, m))
+
+
+def _checkpoint_blocks(ctx: Context, every: int, context_fn=None) -> Prepared:
+    m = ctx.fresh()
+    blocks = find_blocks(m)
+    if not blocks:
+        raise Unavailable("no repeated blocks (nn.ModuleList) found to checkpoint")
+    hf = next((mod for mod in m.modules() if getattr(mod, "supports_gradient_checkpointing", False)
+               and hasattr(mod, "gradient_checkpointing_enable")), None)
+    if hf is not None:
+        # transformers: its own hook checkpoints each layer with our function
+        # and turns the KV cache off (a cache updated again by the recompute
+        # breaks attention); then un-checkpoint the layers we skip.
+        kw = {"use_reentrant": False}
+        if context_fn is not None:
+            kw["context_fn"] = context_fn
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        for i, b in enumerate(blocks):
+            if i % every and hasattr(b, "gradient_checkpointing"):
+                b.gradient_checkpointing = False
+        return Prepared(m, plain_step(ctx, m))
+    checkpoint_blocks(blocks, every, context_fn)
+    return Prepared(m, plain_step(ctx, m))
+
+
+def prep_ckpt_all(ctx):
+    return _checkpoint_blocks(ctx, 1)
+
+
+def prep_ckpt_every2(ctx):
+    return _checkpoint_blocks(ctx, 2)
+
+
+def sac_policy(ctx_, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    if op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def prep_sac(ctx):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return _checkpoint_blocks(ctx, 1, context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy))
+
+
+def fresh_caller(module, tag: str):
+    """`lambda *x: module(*x)` with a code object of its own, so dynamo's
+    per-code cache cannot hand one budget's compiled graph to another."""
+    name = "bench_" + "".join(c if c.isalnum() else "_" for c in tag)
+    src = f"def {name}(*inputs):\n    return module(*inputs)\n"
+    scope = {"module": module}
+    exec(compile(src, f"<remat-bench {tag}>", "exec"), scope)
+    return scope[name]
+
+
+def prep_compile(ctx: Context, budget: float) -> Prepared:
+    import torch._functorch.config as fconfig
+
+    if not hasattr(fconfig, "activation_memory_budget"):
+        raise Unavailable("this PyTorch has no torch._functorch.config.activation_memory_budget")
+    m = ctx.fresh()
+    compiled = torch.compile(fresh_caller(m, f"compile {budget}"), backend="aot_eager", fullgraph=True)
+    inner = plain_step(ctx, m, compiled)
+
+    def step():
+        # The partitioner reads the budget when the graph is compiled; patch
+        # it around every call so a (re)compile always sees this budget.
+        with fconfig.patch(activation_memory_budget=budget):
+            return inner()
+
+    return Prepared(m, step)
+
+
+def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
+    """`budget` (activation scope): None (unoptimized plan), a fraction string,
+    bytes (int), or "floor"."""
+    from remat_ir.check.simulate import simulate
+    from remat_ir.ir.costs import overhead_text
+    from remat_ir.pipeline import CompileStats, fit
+    from remat_ir.runtime.interpret import wrap
+
+    program = ctx.program()
+    setup = 0.0
+    extra = ""
+    res = None
+    if budget is not None:
+        ctx.optimizer_api()
+        stats = CompileStats()
+        try:
+            with quiet_stdout(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                program = fit(program, budget, scope="activations", time_limit=ctx.args.time_limit,
+                              stats=stats, planner=ctx.planner())
+        except Exception as e:  # noqa: BLE001
+            if type(e).__name__ == "Infeasible":
+                fb = getattr(e, "floor_bytes", None)
+                why = f"below the floor, {mib(fb)}" if fb else str(e)
+                raise Unavailable(f"infeasible: {why}") from e
+            raise
+        res = stats.optimized
+        # Resolving the budget (the floor: a search) + the solve.
+        setup = stats.seconds.get("budget", 0.0) + stats.seconds.get("optimize", 0.0)
+        extra = overhead_text(program)
+        if program.header.rewrites:
+            extra += f", {', '.join(program.header.rewrites)}"
+        msgs = sorted({str(w.message).split(".")[0] for w in caught})
+        if msgs:
+            extra += "; solver warned: " + "; ".join(msgs)
+    rep = simulate(program, grads_present=True)
+    m = ctx.fresh()
+    w = wrap(m, program, loss=ctx.loss_fn)
+    w.train()
+
+    def step():
+        loss = w(*ctx.inputs)
+        loss.backward()
+        return loss.detach()
+
+    return Prepared(m, step, setup_s=setup, predicted_total=rep.peak_bytes,
+                    predicted_act=rep.activation_peak_bytes, extra=extra, program=program, result=res)
+
+
+def method_specs(budgets: list[float]) -> list[MethodSpec]:
+    specs = [
+        MethodSpec("eager", "eager PyTorch", "eager", prep_eager),
+        MethodSpec("ckpt-all", "checkpoint every block", "checkpoint", prep_ckpt_all),
+        MethodSpec("ckpt-every2", "checkpoint every 2nd block", "checkpoint", prep_ckpt_every2),
+        MethodSpec("sac-matmul", "SAC, save matmul outputs", "sac", prep_sac),
+    ]
+    for b in budgets:
+        specs.append(MethodSpec(f"compile-{b:g}", f"torch.compile aot_eager, budget {b:g}", "compile",
+                                functools.partial(prep_compile, budget=b)))
+    specs.append(MethodSpec("remat-plan", "remat-ir, unoptimized plan", "remat",
+                            functools.partial(prep_remat, budget=None)))
+    for b in budgets:
+        specs.append(MethodSpec(f"remat-{b:g}", f"remat-ir, budget {b:g}", "remat",
+                                functools.partial(prep_remat, budget=f"{b:g}")))
+    specs.append(MethodSpec("remat-floor", "remat-ir, floor", "remat",
+                            functools.partial(prep_remat, budget="floor")))
+    return specs
+
+
+def select(specs: list[MethodSpec], methods: str | None) -> list[MethodSpec]:
+    if not methods:
+        return specs
+    wanted = [w.strip() for w in methods.split(",") if w.strip()]
+    keys = [s.key for s in specs]
+    for w in wanted:
+        if not any(k == w or k.startswith(w) for k in keys):
+            raise ValueError(f"--methods: {w!r} matches no method; methods are {', '.join(keys)}")
+    return [s for s in specs if s.key == "eager" or any(s.key == w or s.key.startswith(w) for w in wanted)]
