@@ -44,14 +44,6 @@ def test_golden_plan_is_regenerated_identically(path):
     name = os.path.basename(path)[:-4]
     model, budget = mod.PLANS[name]
     fresh = mod.build(model, budget)
-    if budget is None:
-        assert fresh == text
-        return
-    # The MILP's time limits make an optimized plan's exact choices depend on
-    # machine speed: ask for the same budget and a sound plan, not the same text.
-    from remat_ir.ir.parser import parse_program
-
-    a, b = load_plan(path), parse_program(fresh)
-    assert a.header.budget == b.header.budget
-    assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
-    assert verify(b).ok
+    # The optimizer is deterministic (HiGHS stops at node limits, not time
+    # limits): an optimized plan is regenerated to the same text too.
+    assert fresh == text
