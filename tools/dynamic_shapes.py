@@ -24,6 +24,7 @@ import torch
 
 import remat_ir
 from remat_ir.check.simulate import simulate
+from remat_ir.cli.measure import pre_existing
 from remat_ir.runtime.memtrack import measure_step
 
 MiB = 2 ** 20
@@ -71,8 +72,7 @@ def loop_table(steps: int, layers: int) -> None:
             # The peak of the same step, measured (untimed) with the gradients as they now are.
             state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             params = list(model.parameters())
-            pre = {"params": params, "buffers": list(model.buffers()), "inputs": list(batch.values()),
-                   "optimizer": state, "grads": [p.grad for p in params]}
+            pre = pre_existing(model, list(batch.values()), state)
             measured = measure_step(lambda: wrapped(**batch).loss.backward(), pre_existing=pre)
             for p in params:  # the measured run's gradients were added on top: drop them
                 p.grad.div_(2)
