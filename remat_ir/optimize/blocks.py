@@ -112,7 +112,8 @@ class Segment:
     nodes: list[int]  # forward node indices, in order
     storages: list[int] = field(default_factory=list)  # storages assigned to it
     decisions: list[int] = field(default_factory=list)
-    signature: str = ""
+    signature: str = ""  # its class: segments that share option MILPs
+    layout: str = ""  # equal for segments whose every storage and stage lines up (profiles map by offset)
     window: tuple[int, int] = (0, -1)  # backward stages [lo, hi] where its storages are needed
 
     @property
@@ -192,6 +193,7 @@ def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[in
         stages = [j for k in s.storages for j in a.storages[k].reads + a.storages[k].holds]
         s.window = (min(stages), max(stages)) if stages else (a.nb, a.nb - 1)
         s.signature = _signature(a, s, crossing)
+        s.layout = _signature(a, s, crossing, exact=True)
     return segs, fixed
 
 
@@ -219,14 +221,16 @@ def _unkeyed_name(a: Analysis, idx: list[int]) -> str:
     return a.fwd[idx[0]].name
 
 
-def _signature(a: Analysis, s: Segment, crossing: set[int]) -> str:
+def _signature(a: Analysis, s: Segment, crossing: set[int], exact: bool = False) -> str:
     """Structural hash of a segment: equal for repeated blocks.  Storages
     that cross segments are left out: they are kept whatever a segment
     decides, and the last block that reads one (the encoder output every
     decoder block reads, a position bias every layer reads) is its home,
     which would make that block unlike its twins.  A class shares its option
     MILPs; each instance's options are then evaluated on the instance
-    itself, its own crossing storages included."""
+    itself, its own crossing storages included.  `exact`: every storage,
+    with stages counted from the window's start, so that segments of equal
+    exact signatures have profiles equal up to an offset."""
     values = a.values
     local: dict[str, int] = {}
     ext: dict[str, int] = {}
@@ -264,11 +268,13 @@ def _signature(a: Analysis, s: Segment, crossing: set[int]) -> str:
             local[o] = len(local)
         parts.append((n.op, args, kwargs, tuple(outs), n.flops, a.kind[i], n.random,
                       tuple(ref(m) for m in n.mutates)))
-    own = [k for k in s.storages if k not in crossing]
+    own = [k for k in s.storages if exact or k not in crossing]
     # Backward stages by rank among the ones its storages are read or held at:
     # a stage between them that none of them meets (another block's gradient
     # accumulation) does not change the block's problem.
     rank = {j: r for r, j in enumerate(sorted({j for k in own for j in a.storages[k].reads + a.storages[k].holds}))}
+    if exact:
+        rank = {j: j - s.window[0] for j in rank}
     for k in own:
         st = a.storages[k]
         parts.append(("st", ref(st.name), st.size, tuple(rank[j] for j in st.reads),

@@ -657,25 +657,43 @@ class Planner:
         return {o.kept for s in inst for o in self.options[s.index]} != before
 
     def _evaluate_options(self, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
-        """Each option of a class, mapped onto each instance and profiled
-        there: instances of a class share their structure, not every storage
-        (the storages crossing segments live where they are last read)."""
+        """Each option of a class, mapped onto its instances.  Instances of
+        one layout (every storage and stage lines up) share one profile,
+        shifted; a class can hold several layouts (the storages crossing
+        segments live where they are last read), each profiled on its own
+        first instance."""
         a = self.a
+        layouts: dict[str, list[Segment]] = {}
         for s in inst:
-            nmap = dict(zip(canon.nodes, s.nodes))
-            others = set(self.all_dec) - set(s.decisions)
-            lo, hi = self.part.get(s.index, (s.window[0], s.window[1]))
-            f0, f1 = s.fwd_range
-            ts = np.arange(f0, f1 + 1)
+            layouts.setdefault(s.layout, []).append(s)
+        for group in layouts.values():
+            rep = group[0]
+            to_rep = dict(zip(canon.nodes, rep.nodes))
+            others = set(self.all_dec) - set(rep.decisions)
             for o in opts:
-                kept = frozenset(nmap[d] for d in o)
-                pr = profile(a, a.keep_of(others | set(kept)), s.storages, with_constants=False)
-                pb = 0
-                if hi >= lo:
-                    js = np.arange(lo, hi + 1)
-                    pb = int(max((a.const_b[js] + pr.live_b[js]).max(), (a.const_pre[js] + pr.live_q[js]).max()))
-                pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts]).max())
-                self.options.setdefault(s.index, []).append(Option(kept, int(pr.retained), pf, pb, pr.cost))
+                kept = frozenset(to_rep[d] for d in o)
+                pr = profile(a, a.keep_of(others | set(kept)), rep.storages, with_constants=False)
+                for s in group:
+                    nmap = dict(zip(rep.nodes, s.nodes))
+                    db = s.window[0] - rep.window[0]
+                    df = s.nodes[0] - rep.nodes[0]
+                    lo, hi = self.part.get(s.index, (s.window[0], s.window[1]))
+                    pb = 0
+                    if hi >= lo:
+                        js = np.arange(lo, hi + 1)
+                        rel = js - db
+                        ok = (rel >= 0) & (rel < a.nb)
+                        lb = np.zeros(len(js), dtype=np.int64)
+                        lq = np.zeros(len(js), dtype=np.int64)
+                        lb[ok] = pr.live_b[rel[ok]]
+                        lq[ok] = pr.live_q[rel[ok]]
+                        pb = int(max((a.const_b[js] + lb).max(), (a.const_pre[js] + lq).max()))
+                    f0, f1 = s.fwd_range
+                    ts = np.arange(f0, f1 + 1)
+                    pf = int((a.base_f + a.fwd_asap[ts] + pr.fwd_extra[ts - df]).max())
+                    self.options.setdefault(s.index, []).append(Option(
+                        frozenset(nmap[d] for d in kept), int(pr.retained), pf, pb, pr.cost))
+        for s in inst:
             self.options[s.index] = pareto_options(self.options[s.index])
 
     # ---- decomposed: combining options
