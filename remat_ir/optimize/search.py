@@ -627,7 +627,7 @@ class Planner:
         for k, s in enumerate(segs_dp):
             if not s.decisions or k >= len(steps) + 1:
                 continue
-            prefixes = {0.0} if k == 0 else {float(t[0]) for t in steps[k - 1]}
+            prefixes = {0.0} if k == 0 else set(steps[k - 1][:, 0].tolist())
             caps.setdefault(s.signature, set()).update(budget - S for S in prefixes if S < budget)
         added = False
         for sig, cs in caps.items():
