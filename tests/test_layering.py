@@ -21,6 +21,7 @@ A dynamic check then runs the runtime path for real in a fresh interpreter.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import deque
@@ -741,3 +742,11 @@ def test_runtime_path_imports_no_optimizer():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_tools_run_on_the_installed_package():
+    """A script in tools/ imports remat_ir as installed (`pip install -e .`):
+    none edits sys.path to find it."""
+    edits = [p.name for p in sorted((ROOT / "tools").glob("*.py"))
+             if re.search(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=", p.read_text(encoding="utf-8"))]
+    assert not edits, f"tools editing sys.path: {edits}"
