@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 
 import lark
 import msgspec
@@ -19,8 +20,9 @@ from remat_ir import ir
 from remat_ir.ir import parser, printer, syntax
 from remat_ir.ir import (
     Budget, Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program, Ref, Seq,
-    Special, Value,
+    Special, Sym, Value,
 )
+from remat_ir.ir import sizes as sz
 from remat_ir.ir.files import load_plan, save_plan
 from remat_ir.ir.parser import parse_program
 from remat_ir.ir.printer import format_program, human_bytes, with_lines
@@ -48,7 +50,33 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 DTYPE_NAMES = sorted(ir.DTYPE_SHORT) + ["uint16", "complex32"]
 
 
-def scalar_args(refs: list[str]):
+# Symbolic plans: size symbols, and size expressions over them in canonical text.
+SYMBOLS = ["B", "T", "S", "n_1"]
+
+
+def size_exprs(symbols: list[str]):
+    """Size expressions over `symbols`, as the IR holds them (`sizes.normal_size`)."""
+    sym = st.sampled_from(symbols)
+    num = st.integers(min_value=0, max_value=512)
+    shapes = [
+        sym,
+        st.builds(lambda k, a: f"{k}*{a}", num, sym),
+        st.builds(lambda a, b: f"{a}*{b}", sym, sym),
+        st.builds(lambda a, k: f"{a}-{k}", sym, num),
+        st.builds(lambda a, k: f"max({a},{k})", sym, num),
+        st.builds(lambda k, a, b: f"{k}*(({a}+1)//2)*min({b},{k})", num, sym, sym),
+        st.builds(lambda a, b, k: f"({a} + {b}) % {k + 1} - -{k}", sym, sym, num),
+        st.builds(lambda k, a: f"{k}*({a}-1)", num, sym),
+    ]
+    return st.one_of(*shapes).map(sz.normal_size)
+
+
+def dims(symbols: list[str]):
+    ints = st.integers(min_value=0, max_value=4096)
+    return st.one_of(ints, ints, size_exprs(symbols)) if symbols else ints
+
+
+def scalar_args(refs: list[str], symbols: list[str] = ()):
     opts = [
         st.none(), st.booleans(), i64, finite, any_text,
         st.builds(DType, st.sampled_from(sorted(syntax.DTYPES))),
@@ -59,12 +87,25 @@ def scalar_args(refs: list[str]):
     ]
     if refs:
         opts.append(st.builds(Ref, st.sampled_from(refs)))
+    if symbols:
+        opts.append(st.builds(Sym, size_exprs(list(symbols)).map(sz.size_text)))
     return st.one_of(*opts)
 
 
-def args_of(refs: list[str]):
-    return st.recursive(scalar_args(refs), lambda inner: st.builds(Seq, st.lists(inner, max_size=3)),
+def args_of(refs: list[str], symbols: list[str] = ()):
+    return st.recursive(scalar_args(refs, symbols), lambda inner: st.builds(Seq, st.lists(inner, max_size=3)),
                         max_leaves=6)
+
+
+def size_ranges(symbols: list[str]):
+    return st.tuples(*[st.tuples(st.integers(1, 64), st.integers(0, 200)) for _ in symbols]).map(
+        lambda rs: [f"{s}={lo}..{lo + extra}" for s, (lo, extra) in zip(symbols, rs)])
+
+
+def size_conditions(symbols: list[str]):
+    return st.builds(lambda a, op, b: f"{a} {op} {b}", size_exprs(symbols).map(sz.size_text),
+                     st.sampled_from(["==", "!=", "<", "<=", ">", ">="]),
+                     st.one_of(st.integers(0, 99).map(str), size_exprs(symbols).map(sz.size_text)))
 
 
 @st.composite
@@ -89,21 +130,29 @@ def programs(draw) -> Program:
         comment=draw(st.lists(st.one_of(st.just(""), any_text, st.just(" padded "), st.just('"q"')),
                               max_size=3)),
     )
+    # One program in three is symbolic: sizes vary between calls.
+    symbols = draw(st.one_of(st.just([]), st.just([]),
+                             st.lists(st.sampled_from(SYMBOLS), min_size=1, max_size=3, unique=True)))
+    if symbols:
+        header.sizes = draw(size_ranges(symbols))
+        header.size_guards = draw(st.lists(size_conditions(symbols), max_size=2))
     names = draw(st.lists(name, min_size=1, max_size=12, unique=True))
     n_inputs = draw(st.integers(min_value=0, max_value=len(names)))
     input_names, produced = names[:n_inputs], names[n_inputs:]
 
     def value(nm: str, kind: str) -> Value:
-        shape = draw(st.lists(st.integers(min_value=0, max_value=4096), max_size=4))
-        stride = draw(st.one_of(st.just(ir.contiguous_stride(shape)),
-                                st.lists(st.integers(min_value=0, max_value=10 ** 6),
-                                         min_size=len(shape), max_size=len(shape))))
+        shape = draw(st.lists(dims(symbols), max_size=4))
+        stride_item = st.one_of(st.integers(min_value=0, max_value=10 ** 6), size_exprs(symbols)) if symbols \
+            else st.integers(min_value=0, max_value=10 ** 6)
+        stride = draw(st.one_of(st.just(syntax.default_stride(shape)),
+                                st.lists(stride_item, min_size=len(shape), max_size=len(shape))))
         view_of = draw(st.one_of(st.none(), st.none(), st.sampled_from(names)))
         owner = view_of is None or view_of == nm
+        counts = st.one_of(small_int, size_exprs(symbols)) if symbols else small_int
         return Value(
             name=nm, kind=kind, dtype=draw(st.sampled_from(DTYPE_NAMES)), shape=shape, stride=stride,
             storage=nm if owner else view_of,
-            nbytes=draw(small_int) if owner else draw(st.sampled_from([0, 0, 12])),
+            nbytes=draw(counts) if owner else draw(st.sampled_from([0, 0, 12] + (["4*B"] if symbols else []))),
             source=draw(st.one_of(st.just(""), path_name, any_text)) if kind != ir.VALUE or
             draw(st.booleans()) else "",
             requires_grad=draw(st.booleans()),
@@ -142,10 +191,10 @@ def programs(draw) -> Program:
             op=draw(st.one_of(st.sampled_from(["aten.addmm.default", "aten.view.default",
                                                "aten.native_layer_norm_backward.default",
                                                "prims.convert_element_type.default"]), any_text)),
-            args=draw(st.lists(args_of(refs), max_size=5)),
+            args=draw(st.lists(args_of(refs, symbols), max_size=5)),
             kwargs=draw(st.dictionaries(st.one_of(st.sampled_from(["dtype", "device", "layout",
                                                                    "memory_format", "true", "alpha"]),
-                                                  kwarg_name), args_of(refs), max_size=3)),
+                                                  kwarg_name), args_of(refs, symbols), max_size=3)),
             outputs=outputs,
             phase=phase,
             module=draw(st.one_of(st.just(""), path_name, any_text)),
@@ -251,8 +300,30 @@ def _word(tok) -> str:
     return _string(tok) if tok.type == "STRING" else str(tok)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")] if text.strip() else []
+def _sizes(text: str) -> list:
+    """A dimension or stride list's items: ints, or size expressions (split
+    at the commas outside parentheses)."""
+    items, depth, cur = [], 0, ""
+    for c in text + ",":
+        depth += (c == "(") - (c == ")")
+        if c == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += c
+    if not text.strip():
+        return []
+    return [int(x) if re.fullmatch(r"\s*-?\d+\s*", x) else sz.normal_size(x) for x in items]
+
+
+def _sym(tok) -> str | int:
+    """`$B` or `$(expr)`: the expression, as the IR holds it."""
+    text = str(tok)[1:]
+    return sz.normal_size(text[1:-1] if text.startswith("(") else text)
+
+
+def _count(tok) -> int | str:
+    return int(tok) if tok.type == "INT" else _sym(tok)
 
 
 class _ToProgram(lark.Transformer):
@@ -310,6 +381,12 @@ class _ToProgram(lark.Transformer):
     def guards(self, c):
         return [("guards", [_string(x) for x in c])]
 
+    def sizes(self, c):
+        return [("sizes", [str(x) for x in c])]
+
+    def size_guards(self, c):
+        return [("size_guards", [_string(x) for x in c])]
+
     # values
     def values(self, c):
         return c
@@ -321,9 +398,9 @@ class _ToProgram(lark.Transformer):
     def _value(name, kind, d):
         t, stride, (owner, nbytes), source, rg, aliases = d
         short, _, shape = str(t)[:-1].partition("[")
-        shape = _ints(shape)
+        shape = _sizes(shape)
         return Value(name, kind, ir.DTYPE_LONG.get(short, short), shape,
-                     ir.contiguous_stride(shape) if stride is None else stride,
+                     syntax.default_stride(shape) if stride is None else stride,
                      name if owner is None else owner, nbytes, "" if source is None else _word(source),
                      rg is not None, aliases or [])
 
@@ -331,13 +408,13 @@ class _ToProgram(lark.Transformer):
         return c
 
     def stride(self, c):
-        return _ints(str(c[0])[1:-1])
+        return _sizes(str(c[0])[1:-1])
 
     def owner(self, c):
-        return None, int(c[0])
+        return None, _count(c[0])
 
     def view(self, c):
-        return str(c[0]), 0 if c[1] is None else int(c[1])
+        return str(c[0]), 0 if c[1] is None else _count(c[1])
 
     def source(self, c):
         return c[0]
@@ -425,6 +502,9 @@ class _ToProgram(lark.Transformer):
     def device_arg(self, c):
         inner = str(c[0])[7:-1]
         return Device(_string(inner) if inner.startswith('"') else inner)
+
+    def sym_arg(self, c):
+        return Sym(str(_sym(c[0])))
 
     def list_arg(self, c):
         return Seq([] if c[0] is None else c[0].children)
@@ -1009,6 +1089,29 @@ CORNERS = [
     ("  result 0", "  result 1.5 = loss", False),
     ("  grad ", "  grad %\"x y\" = d.transformer.wte.weight", True),
     ("outputs", "outputs extra", False),
+    # Symbolic plans: sizes, size guards, size expressions.
+    ("output_spec", "output_spec \"\"\nsizes B=2..4, T=32..128\nsize_guards \"T <= 128\", \"B*T != 4\"", True),
+    ("output_spec", "output_spec \"\"\nsizes B = 2..4", False),
+    ("output_spec", "output_spec \"\"\nsizes B=2..4,", False),
+    ("output_spec", "output_spec \"\"\nsizes max=2..4", True),  # (a function's name: the verifier's business)
+    ("output_spec", "output_spec \"\"\nsize_guards \"T <= 128\"\nsizes B=2..4", False),  # order
+    ("output_spec", "output_spec \"\"\nsize_guards T", False),
+    ("  idx ", "  idx input i64[B,T] $(8*B*T) bytes source idx", True),
+    ("  idx ", "  idx input i64[B, max(T, 8)] stride [max(T,8), 1] $(8 * B*max(T,8)) bytes", True),
+    ("  idx ", "  idx input i64[B,T] $B bytes", True),
+    ("  idx ", "  idx input i64[B,T] $B.x bytes", False),
+    ("  idx ", "  idx input i64[B,T+] 8 bytes", None),  # lark reads it; the expression is bad
+    ("  idx ", "  idx input i64[B,(T] 8 bytes", None),
+    ("  idx ", "  idx input i64[B,T] $(B*) bytes", None),
+    ("  idx ", "  idx input i64[B,T] $(B*T bytes", False),
+    ("  idx ", "  idx input i64[B,T] $() bytes", None),
+    ("  idx ", "  idx input i64[2,64] view of transformer.wte.weight $(2*B) bytes", True),
+    ("  idx ", "  idx input i64[2,64] view of transformer.wte.weight aliases[B]", False),  # lexed as a dtype
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, [$(B*T), $B, -1], x=$(T-1))",
+     True),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, $ B)", False),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, $(max(B,T), 8))", None),
+    ("  loss ", "  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, $(B) )", True),
 ]
 
 
@@ -1039,6 +1142,7 @@ VOCABULARY = [
     "b8[2,64,128]", "[1,2]", "[", "]", "(", ")", ",", "=", ":", "%", '"s"', '"a\\"b"', '"', "1", "-1",
     "1.5", "1e5", "0", "#c", "#|h", "aten.sum.default", "transformer.drop.view", "transformer.wte.weight",
     "d.transformer.wte.weight", "idx:1", "\t", "\r",
+    "$B", "$(B*T)", "$(max(B,(T)))", "$", "$(", "f32[B,T-1]", "[64*T,1]", "sizes", "size_guards", "B=2..4",
 ]
 
 
@@ -1067,3 +1171,105 @@ def test_any_text_reads_or_fails_cleanly(text):
         except RirSyntaxError as e:
             assert e.line >= 1 and e.column >= 1 and str(e).startswith("r.rir:")
         read_as_lark_does(t)
+
+
+# ------------------------------------------------------------ symbolic plans
+
+PLANS = os.path.join(os.path.dirname(__file__), "plans")
+
+
+def test_symbolic_plan_reads_and_prints_back():
+    path = os.path.join(PLANS, "mlp-batch.rir")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    p = load_plan(path)
+    assert format_program(p) == text
+    assert read_as_lark_does(text) == p
+    assert p.header.sizes == ["B=2..8"]
+    x = p.value_map()["x"]
+    assert x.shape == ["B", 4] and x.stride == [4, 1] and x.nbytes == "16*B"
+    assert p.value_map()["h.t"].stride == [1, 8]
+    d_out = next(n for n in p.nodes if n.name == "d.out")
+    assert d_out.args[1] == Seq([Sym("B"), 3])
+    # Byte counts in comments are at the high end of the range, and say so.
+    assert "  x       input    f32[B,4] $(16*B) bytes source x   # 128 B at B=8" in text
+    assert "# 4 values, 356 B at B=8" in text
+
+
+def test_symbolic_text_is_canonical():
+    p = sample_program()
+    p.header.sizes = ["B=2..4", "T=32..128"]
+    p.header.size_guards = ["T <= 128", "B*T != 4"]
+    emb = p.value_map()["transformer.wte.embedding"]
+    emb.shape, emb.stride, emb.nbytes = ["B", "T", 128], ["128*T", 128, 1], "512*B*T"
+    view = p.value_map()["transformer.drop.view"]
+    view.shape, view.stride = ["B*T", "max(T,8)"], ["max(T,8)", 1]
+    p.nodes[2].args[1] = Seq([Sym("B*T"), Sym("2*(T-1)"), Sym("B")])
+    t = format_program(p)
+    assert "\nsizes B=2..4, T=32..128\nsize_guards \"T <= 128\", \"B*T != 4\"\n" in t
+    assert " f32[B,T,128] $(512*B*T) bytes = aten.embedding.default" in t  # (a contiguous stride: not written)
+    assert " f32[B*T,max(T,8)] view of transformer.drop.native_dropout = " in t
+    assert "aten.view.default(transformer.drop.native_dropout, [$(B*T), $(2*(T-1)), $B])" in t
+    assert "# 256.0 KiB at B=4,T=128" in t
+    q = parse_program(t)
+    assert strip_lines(q) == p and format_program(q) == t and read_as_lark_does(t) == q
+    # Any spelling reads as the canonical one.
+    messy = t.replace("f32[B,T,128] $(512*B*T)", "f32[ B , (T) ,128] $( 512 * B * T )").replace(
+        "[$(B*T), $(2*(T-1)), $B]", "[$( B*T ), $(2*(T - 1)), $(B)]")
+    assert messy != t and format_program(parse_program(messy)) == t
+
+
+def test_size_lexemes_are_the_grammars():
+    g = parser.grammar_text()
+    for terminal, regex in (("TYPE.2", syntax.TYPE_RE), ("INTS.2", syntax.INTS_RE), ("SYM", syntax.SYM_RE),
+                            ("SIZE_RANGE", syntax.SIZE_RANGE_RE)):
+        line = next(line for line in g.split("\n") if line.startswith(terminal + ": /"))
+        assert line[len(terminal) + 3:].startswith(regex.pattern + "/"), terminal
+
+
+def test_size_expressions_nest_at_most_8_deep():
+    lines = format_program(sample_program()).split("\n")
+    i = _index(lines, "  loss ")
+    for depth in range(1, syntax.MAX_SIZE_PARENS + 3):
+        expr = "(" * (depth - 1) + "B" + ")" * (depth - 1)
+        lines[i] = f"  loss f32[] 4 bytes = aten.sum.default(transformer.drop.view, $({expr}))"
+        text = "\n".join(lines)
+        p = read_as_lark_does(text)
+        if depth <= syntax.MAX_SIZE_PARENS:
+            assert next(n for n in p.nodes if n.name == "loss").args[1] == Sym("B")
+        else:
+            assert p is None
+            e = _err(text)
+            assert (e.line, e.column) == (i + 1, lines[i].index("$") + 1)
+            assert "parentheses nest more than 8 deep" in e.message
+    # In a dimension, too (the brackets delimit it: lark reads any depth, the reader refuses).
+    lines[i] = "  loss f32[" + "(" * 9 + "B" + ")" * 9 + "] 4 bytes = aten.sum.default(transformer.drop.view)"
+    assert "parentheses nest more than 8 deep" in _err("\n".join(lines)).message
+
+
+@pytest.mark.parametrize("decl,at,words", [
+    ("f32[B,T+] 4 bytes", "f32", "bad dimension `T+`: 'T+' is not a size expression: expected integers, symbols"),
+    ("f32[B] stride [B**2] 4 bytes", "[B**", "bad stride `B**2`: 'B**2' is not a size expression"),
+    ("f32[B] $(B x) bytes", "$", "bad byte count `B x`: 'B x' is not a size expression: expected"),
+    ("f32[B] $(B, 2) bytes", "$", "bad byte count `B, 2`"),
+    ("f32[B,] 4 bytes", "f32", "bad dimension list `f32[B,]`: write integers or size expressions"),
+    ("f32[] 4 bytes = aten.sum.default(transformer.drop.view, $(max(B)))", "$", "bad size argument `max(B)`"),
+])
+def test_malformed_size_expressions_are_errors_at_their_place(decl, at, words):
+    lines = format_program(sample_program()).split("\n")
+    i = _index(lines, "  loss ")
+    lines[i] = "  loss " + decl + ("" if "=" in decl else " = aten.sum.default(transformer.drop.view)")
+    e = _err("\n".join(lines))
+    assert (e.line, e.column) == (i + 1, lines[i].index(at) + 1) and words in e.message, e
+    read_as_lark_does("\n".join(lines))
+
+
+def test_printer_refuses_what_is_no_size():
+    for edit in (lambda p: setattr(p.values[0], "shape", ["B+", 64]),
+                 lambda p: setattr(p.values[0], "nbytes", "B*"),
+                 lambda p: setattr(p.nodes[2], "args", [Ref("transformer.drop.native_dropout"), Sym("T<2")]),
+                 lambda p: setattr(p.header, "sizes", ["T = 1..2"])):
+        p = sample_program()
+        edit(p)
+        with pytest.raises(ValueError, match="cannot print"):
+            format_program(p)

@@ -23,14 +23,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
     BACKWARD, COMPUTE, FORWARD, FREE, GRAD, MAX_NESTING, RECOMPUTE, RESULT, VALUE,
     Budget, Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program,
-    Ref, Seq, Special, Value,
+    Ref, Seq, Special, Sym, Value,
 )
 from remat_ir.ir.syntax import (
-    DTYPES, HEADER_FIELDS, KWARG_RE, LAYOUTS, MEMORY_FORMATS, NAME_RE, VALUE_DECL_KINDS, RirSyntaxError,
+    DTYPES, HEADER_FIELDS, INT_TEXT_RE, INTS_RE, KWARG_RE, LAYOUTS, MAX_SIZE_PARENS, MEMORY_FORMATS, NAME_RE,
+    SIZE_RANGE_RE, SYM_RE, TYPE_RE, VALUE_DECL_KINDS, RirSyntaxError, default_stride, paren_depth, split_sizes,
 )
 
 __all__ = ["parse_program", "grammar_text"]
@@ -75,8 +77,10 @@ _NAME = NAME_RE
 _STRING = re.compile(r'"(?:[^"\\\n\r]|\\.)*"')
 _INT = re.compile(r"-?\d+")
 _FLOAT = re.compile(r"-?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)")
-_TYPE = re.compile(r"[A-Za-z_]\w*\[[ \t\d,]*\]")
-_INTS = re.compile(r"\[[ \t\d,-]*\]")
+_TYPE = TYPE_RE
+_INTS = INTS_RE
+_SYM = SYM_RE
+_SIZE_RANGE = SIZE_RANGE_RE
 _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 
 # Every keyword of the grammar that is spelt like a name (a test keeps this
@@ -85,6 +89,7 @@ _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 KEYWORDS = frozenset({
     "rir", "model", "fingerprint", "device", "cost", "flops", "profile", "optimizer", "bytes",
     "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "autocast", "constants", "guards",
+    "sizes", "size_guards",
     "true", "false",
     "values", "input", "param", "buffer", "tangent", "value", "stride", "view", "of", "source",
     "requires_grad", "aliases", "graph", "forward", "backward", "_", "none", "inf", "nan",
@@ -99,7 +104,8 @@ _KWARG_NAME = ("a keyword argument name: an identifier (letters, digits and `_`,
 _INSTRS = (COMPUTE, RECOMPUTE, FREE)
 _NODE_ATTRS = ("module", "random", "mutates", "flops", "time_us")
 _ARGUMENT = ("an argument (a value name, number, string, true/false/none, list, "
-             "torch.* constant or device(...))")
+             "torch.* constant, device(...) or size $B / $(B*T))")
+_SIZE_FORM = "a size: `$SYMBOL` or `$(EXPRESSION)`, like $B or $(B*T)"
 
 # Sections in order; the words that start a line of one.
 _SECTIONS = ("values", "graph", "forward", "backward", "outputs")
@@ -316,15 +322,61 @@ class _Reader:
             raise self.error_at(self.n, col, f"integer too long: {digits[:20]}... "
                                              f"({len(digits)} digits)") from None
 
-    def int_list(self, body: str, col: int, literal: str) -> list[int]:
-        body = body.strip()
-        if not body:
-            return []
+    def size_list(self, body: str, col: int, literal: str, what: str) -> list:
+        """The dimensions or strides between a list's brackets: each an int,
+        or a size expression's canonical text."""
+        out = []
+        for item in split_sizes(body):
+            if INT_TEXT_RE.fullmatch(item):
+                out.append(self.to_int(item.strip(), col))
+            elif not item.strip():
+                raise self.error_at(self.n, col, f"bad {what} list `{literal}`: write integers or size "
+                                                 f"expressions separated by commas, like [2,64,128] or [B,T,64]")
+            else:
+                out.append(self.size(item, col, what))
+        return out
+
+    def size(self, text: str, col: int, what: str):
+        """A size expression: an int when it is a plain integer, else its canonical text."""
+        text = text.strip()
+        if paren_depth(text) > MAX_SIZE_PARENS:
+            raise self.error_at(self.n, col, f"bad {what} `{text}`: parentheses nest more than "
+                                             f"{MAX_SIZE_PARENS} deep")
         try:
-            return [int(x) for x in body.split(",")]
-        except ValueError:
-            raise self.error_at(self.n, col, f"bad integer list `{literal}`: write integers separated "
-                                             f"by commas, like [2,64,128]") from None
+            return sz.normal_size(text)
+        except sz.SizeError as e:
+            raise self.error_at(self.n, col, f"bad {what} `{text}`: {e}") from None
+        except RecursionError:
+            raise self.error_at(self.n, col, f"bad {what} `{text[:40]}...`: too deeply nested") from None
+
+    def sym(self, what: str) -> str:
+        """`$B` or `$(expr)` here: the expression's canonical text."""
+        i = self.skip()
+        m = _SYM.match(self.s, i)
+        if m is None:
+            if self.s.startswith("$(", i):
+                depth = 0
+                for c in self.s[i + 1:]:
+                    depth += (c == "(") - (c == ")")
+                    if depth > MAX_SIZE_PARENS:
+                        raise self.error_at(self.n, i + 1, f"a size expression whose parentheses nest more "
+                                                           f"than {MAX_SIZE_PARENS} deep")
+                    if depth <= 0:
+                        break
+            self.fail(_SIZE_FORM)
+        self.i = m.end()
+        text = m.group()[1:]
+        if text.startswith("("):
+            text = text[1:-1]
+        x = self.size(text, i + 1, what)
+        return str(x) if type(x) is int else x
+
+    def byte_count(self, expected: str):
+        """INT or `$B` / `$(expr)`: an int, or the expression's canonical text."""
+        if self.s.startswith("$", self.skip()):
+            x = self.sym("byte count")
+            return sz.normal_size(x)
+        return self.integer(expected)
 
     def dtype(self, short: str, col: int) -> str:
         long = ir.DTYPE_LONG.get(short)
@@ -411,7 +463,12 @@ class _Reader:
                 h.rewrites.append(self.word_value("a rewrite (batchnorm_split, chunked_loss:8)"))
         elif field == "autocast":
             h.autocast = self.word_value("the autocast as device:dtype (cpu:bfloat16)")
-        elif field in ("constants", "guards"):
+        elif field == "sizes":
+            h.sizes = [self.size_range()]
+            while self.follows(","):
+                self.i += 1
+                h.sizes.append(self.size_range())
+        elif field in ("constants", "guards", "size_guards"):
             items = [self.string()]
             while self.follows(","):
                 self.i += 1
@@ -419,6 +476,13 @@ class _Reader:
             setattr(h, field, items)
         else:
             h.has_loss = self.choice(("true", "false")) == "true"
+
+    def size_range(self) -> str:
+        m = _SIZE_RANGE.match(self.s, self.skip())
+        if m is None:
+            self.fail("a size range SYMBOL=LOW..HIGH, like T=32..128")
+        self.i = m.end()
+        return m.group()
 
     # -- values
 
@@ -454,16 +518,16 @@ class _Reader:
         t = m.group()
         b = t.index("[")
         d.dtype = self.dtype(t[:b], i + 1)
-        d.shape = self.int_list(t[b + 1:-1], i + 1, t)
+        d.shape = self.size_list(t[b + 1:-1], i + 1, t, "dimension")
         self.i = m.end()
         d.stride = None
         if self.keyword("stride"):
             j = self.skip()
             m = _INTS.match(s, j)
             if m is None:
-                self.fail("the stride, an integer list like [1,2]")
+                self.fail("the stride, a list of integers or size expressions like [1,2] or [64*T,64,1]")
             self.i = m.end()
-            d.stride = self.int_list(m.group()[1:-1], j + 1, m.group())
+            d.stride = self.size_list(m.group()[1:-1], j + 1, m.group(), "stride")
         rest = ["`source`", "`requires_grad`", "`aliases`"]
         d.owner = None
         d.owner_col = 0
@@ -477,13 +541,13 @@ class _Reader:
                 glued = s.startswith("aliases", self.i)
                 self.fail("a byte count or " + _alternatives(rest),
                           note=" (write a blank between `aliases` and `[`)" if glued else "")
-            if _INT.match(s, self.i):
-                d.nbytes = self.integer()
+            if _INT.match(s, self.i) or s.startswith("$", self.i):
+                d.nbytes = self.byte_count("an integer")
                 self.expect_keyword("bytes")
         else:
-            d.nbytes = self.integer("`view` or a byte count like `24 bytes`"
-                                    if d.stride is not None else
-                                    "`stride`, `view` or a byte count like `24 bytes`")
+            d.nbytes = self.byte_count("`view` or a byte count like `24 bytes`"
+                                       if d.stride is not None else
+                                       "`stride`, `view` or a byte count like `24 bytes`")
             self.expect_keyword("bytes")
         d.source = ""
         if self.keyword("source"):
@@ -666,6 +730,8 @@ class _Reader:
             name, col = self.ref()
             refs.append((name, col))
             return Ref(name)
+        if c == "$":
+            return Sym(self.sym("size argument"))
         m = _DEVICE.match(s, i)
         if m is not None:
             self.i = m.end()
@@ -797,6 +863,7 @@ class _Reader:
         if i >= len(s) or s[i] == "#":
             return "end of line"
         for regex, what in ((_STRING, "a string"), (_TYPE, "a dtype and shape"), (_DEVICE, "a device"),
+                            (_SYM, "a size"),
                             (_NAME, "a name"), (_FLOAT, "a number"), (_INT, "an integer")):
             m = regex.match(s, i)
             if m is not None:
@@ -886,7 +953,7 @@ def _assemble(parts: tuple, error) -> Program:
             raise error(line, col, f"duplicate value `{name}`: it is already declared on line {where[name][0]}")
         where[name] = (line, col)
         if d.stride is None:
-            stride = ir.contiguous_stride(d.shape)
+            stride = default_stride(d.shape)
         else:
             stride = d.stride
             if len(stride) != len(d.shape):

@@ -12,13 +12,15 @@ from typing import Any
 
 import msgspec
 
+from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
     BACKWARD, FORWARD, FREE, RESULT, VALUE, Device, DType, Instr, Layout, MemoryFormat, Node, Output,
-    Program, Ref, Seq, Special, Value,
+    Program, Ref, Seq, Special, Sym, Value,
 )
 from remat_ir.ir.syntax import (
-    DEVICE_BARE_RE, ESCAPE_RE, KWARG_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SPECIALS,
+    DEVICE_BARE_RE, ESCAPE_RE, KWARG_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SIZE_RANGE_RE, SPECIALS,
+    default_stride, sym_text,
 )
 
 __all__ = ["format_program", "with_lines", "human_bytes"]
@@ -79,8 +81,34 @@ def _hcomment(c: str) -> str:
     return "#|" + _quote(c)
 
 
-def _type(dtype: str, shape: list[int]) -> str:
-    return f"{ir.DTYPE_SHORT.get(dtype, dtype)}[{','.join(str(d) for d in shape)}]"
+def _size(x) -> str:
+    """A dimension or stride: an int, or a size expression's canonical text."""
+    if type(x) is int:
+        return str(x)
+    try:
+        return sz.size_text(x)
+    except sz.SizeError as e:
+        raise ValueError(f"cannot print size {x!r}: {e}") from None
+
+
+def _count(x) -> str:
+    """A byte count: `64`, or `$B` / `$(256*B*T)`."""
+    if type(x) is int:
+        return str(x)
+    try:
+        return sym_text(x)
+    except sz.SizeError as e:
+        raise ValueError(f"cannot print byte count {x!r}: {e}") from None
+
+
+def _range(r: str) -> str:
+    if not isinstance(r, str) or not SIZE_RANGE_RE.fullmatch(r):
+        raise ValueError(f"cannot print size range {r!r}: expected SYMBOL=LOW..HIGH, like T=32..128")
+    return r
+
+
+def _type(dtype: str, shape: list) -> str:
+    return f"{ir.DTYPE_SHORT.get(dtype, dtype)}[{','.join(_size(d) for d in shape)}]"
 
 
 def _arg(a: Any) -> str:
@@ -103,6 +131,11 @@ def _arg(a: Any) -> str:
         return _quote(a)
     if t is Seq:
         return "[" + ", ".join([_arg(x) for x in a.items]) + "]"
+    if t is Sym:
+        try:
+            return sym_text(a.expr)
+        except sz.SizeError as e:
+            raise ValueError(f"cannot print size argument {a.expr!r}: {e}") from None
     if t is DType or t is Layout or t is MemoryFormat:
         return "torch." + a.name
     if t is Device:
@@ -124,14 +157,14 @@ def _arg(a: Any) -> str:
 
 def _decl(v: Value) -> str:
     parts = [_type(v.dtype, v.shape)]
-    if list(v.stride) != ir.contiguous_stride(list(v.shape)):
-        parts.append(f"stride [{','.join(str(s) for s in v.stride)}]")
+    if list(v.stride) != default_stride(list(v.shape)):
+        parts.append(f"stride [{','.join(_size(s) for s in v.stride)}]")
     if v.storage == v.name:
-        parts.append(f"{v.nbytes} bytes")
+        parts.append(f"{_count(v.nbytes)} bytes")
     else:
         parts.append(f"view of {_ref(v.storage)}")
-        if v.nbytes:
-            parts.append(f"{v.nbytes} bytes")
+        if v.nbytes != 0:
+            parts.append(f"{_count(v.nbytes)} bytes")
     if v.source:
         parts.append(f"source {_word(v.source)}")
     if v.requires_grad:
@@ -188,6 +221,29 @@ class _Printer:
         self.header_lines: dict[str, int] = {}  # header line name -> line
         self.value_lines: dict[int, int] = {}  # id(Value) -> the line declaring it
         self.node_lines: dict[int, int] = {}  # id(Node) -> its line
+        # A symbolic plan's byte counts are shown (in comments) at the high end of its range.
+        self.high: dict[str, int] = {}
+        self.at = ""
+        if program.header.sizes:
+            try:
+                self.high = sz.ends(program)[-1]
+                self.at = ",".join(f"{k}={v}" for k, v in self.high.items())
+            except (sz.SizeError, TypeError):
+                pass
+
+    def nbytes(self, x) -> tuple[int | None, bool]:
+        """(bytes as a number, or None when they cannot be worked out; whether they depend on sizes)."""
+        if type(x) is int:
+            return x, False
+        try:
+            return sz.evaluate(x, self.high), True
+        except (sz.SizeError, TypeError, RecursionError):
+            return None, True
+
+    def human(self, n: int | None, symbolic: bool, sign: str = "") -> str:
+        if n is None:
+            return ""
+        return sign + human_bytes(n) + (f" at {self.at}" if symbolic else "")
 
     def emit(self, s: str) -> int:
         self.lines.append(s)
@@ -222,19 +278,26 @@ class _Printer:
         for field in ("constants", "guards"):
             if getattr(h, field):
                 hl[field] = emit(f"{field} {', '.join(_quote(x) for x in getattr(h, field))}")
+        if h.sizes:
+            hl["sizes"] = emit(f"sizes {', '.join(_range(r) for r in h.sizes)}")
+        if h.size_guards:
+            hl["size_guards"] = emit(f"size_guards {', '.join(_quote(x) for x in h.size_guards)}")
 
         inline = _inline_values(p)
         listed = [v for v in p.values if v.name not in inline]
-        owned = sum(v.nbytes for v in listed if v.storage == v.name)
+        owned = [self.nbytes(v.nbytes) for v in listed if v.storage == v.name]
+        total = None if any(n is None for n, _ in owned) else sum(n for n, _ in owned)
+        total_note = self.human(total, any(sym for _, sym in owned))
         emit("")
         plural = "" if len(listed) == 1 else "s"
-        emit(_comment("values", f"{len(listed)} value{plural}, {human_bytes(owned)}" if listed else ""))
+        emit(_comment("values", f"{len(listed)} value{plural}" + (f", {total_note}" if total_note else "")
+                      if listed else ""))
         if listed:
             refs = [_ref(v.name) for v in listed]
             w = min(max(len(r) for r in refs), 48)
             for v, r in zip(listed, refs):
                 body = f"  {r:<{w}}  {v.kind:<7}  {_decl(v)}"
-                note = human_bytes(v.nbytes) if v.storage == v.name else ""
+                note = self.human(*self.nbytes(v.nbytes)) if v.storage == v.name else ""
                 self.value_lines[id(v)] = emit(_comment(body, note))
 
         # graph
@@ -250,13 +313,13 @@ class _Printer:
         if blocks[-1][0] != BACKWARD:
             blocks.append((BACKWARD, []))
         declared: set[str] = set()
-        alloc: dict[str, int] = {}
+        alloc: dict[str, tuple[int | None, bool]] = {}
         for phase, nodes in blocks:
             emit(f"graph {phase}")
             for n in nodes:
                 line, size = self.node_line(n, values, inline, declared)
                 alloc[n.name] = size
-                self.node_lines[id(n)] = emit(_comment(line, human_bytes(size)))
+                self.node_lines[id(n)] = emit(_comment(line, self.human(*size)))
 
         # schedule
         names = [i.target for i in p.forward] + [i.target for i in p.backward]
@@ -270,10 +333,10 @@ class _Printer:
                 note = ""
                 if ins.kind == FREE:
                     v = values.get(ins.target)
-                    if v is not None and v.storage == v.name and v.nbytes:
-                        note = "-" + human_bytes(v.nbytes)
-                elif alloc.get(ins.target):
-                    note = "+" + human_bytes(alloc[ins.target])
+                    if v is not None and v.storage == v.name and v.nbytes != 0:
+                        note = self.human(*self.nbytes(v.nbytes), sign="-")
+                elif alloc.get(ins.target, (0, False))[0]:
+                    note = self.human(*alloc[ins.target], sign="+")
                 body = f"  {ins.kind:<9} {r:<{w}}" if note else f"  {ins.kind:<9} {r}"
                 where.append(emit(_comment(body, note)))
 
@@ -288,16 +351,19 @@ class _Printer:
         return self.lines
 
     def node_line(self, n: Node, values: dict[str, Value], inline: set[str],
-                  declared: set[str]) -> tuple[str, int]:
+                  declared: set[str]) -> tuple[str, tuple[int | None, bool]]:
         outs = []
-        size = 0
+        size: int | None = 0
+        symbolic = False
         for o in n.outputs:
             if not o:
                 outs.append("_")
                 continue
             v = values.get(o)
             if v is not None and v.storage == v.name:
-                size += v.nbytes
+                k, sym = self.nbytes(v.nbytes)
+                size = None if k is None or size is None else size + k
+                symbolic = symbolic or sym
             if o in inline and o not in declared:
                 declared.add(o)
                 self.value_lines[id(v)] = len(self.lines) + 1  # the line this node is printed on
@@ -326,7 +392,7 @@ class _Printer:
             line += f" flops {float(n.flops)!r}"
         if n.time_us:
             line += f" time_us {float(n.time_us)!r}"
-        return line, size
+        return line, (size, symbolic)
 
 
 def _comment(body: str, note: str) -> str:

@@ -103,7 +103,8 @@ from __future__ import annotations
 
 import re
 
-from remat_ir.ir.types import BUFFER, DTYPE_SHORT, INPUT, PARAM, TANGENT, VALUE
+from remat_ir.ir import sizes as sz
+from remat_ir.ir.types import BUFFER, DTYPE_SHORT, INPUT, PARAM, TANGENT, VALUE, contiguous_stride
 
 
 # Error messages echo what they complain about; a token longer than
@@ -160,9 +161,102 @@ MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format", "channels_la
                             "channels_last_3d"})
 SPECIALS = ("inf", "-inf", "nan")
 HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec",
-                 "rewrites", "autocast", "constants", "guards")
+                 "rewrites", "autocast", "constants", "guards", "sizes", "size_guards")
 VALUE_DECL_KINDS = (INPUT, PARAM, BUFFER, TANGENT, VALUE)
 
 # Keywords that can stand where a name can, so a value of that name is
 # written `%"..."` (a test keeps this equal to what the grammar implies).
 RESERVED = frozenset({"graph", "forward", "_", "true", "false", "none", "inf", "nan"})
+
+
+# ------------------------------------------------------------ symbolic sizes
+#
+# A symbolic plan (`remat_ir.ir.sizes`) writes sizes as expressions over its
+# size symbols: a dimension or stride inside a type's brackets
+# (`f32[B*T,64]`, `stride [64*T,64,1]`: the brackets delimit it), a byte
+# count or an integer argument as `$B` (one symbol) or `$(256*B*T)`.  The
+# header says `sizes B=2..4, T=32..128` (SIZE_RANGE_RE each) and
+# `size_guards "T <= 128"`.
+
+SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SIZE_RANGE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=\d+\.\.\d+")
+# The characters of a size expression, less parentheses.
+_SIZE_CHARS = r"[ \tA-Za-z0-9_,*+\-\/%]"  # (`\/`: a `/` ends a regular expression in rir.lark)
+# How deep parentheses nest in a `$(...)`, the outer pair counted: the
+# grammar's SYM lexeme balances that many (a regular expression balances a
+# fixed depth), and the reader refuses deeper ones at their line.
+MAX_SIZE_PARENS = 8
+
+
+def _sym_pattern(depth: int) -> str:
+    inner = _SIZE_CHARS + "*"
+    for _ in range(depth - 1):
+        inner = r"(?:" + _SIZE_CHARS + r"|\(" + inner + r"\))*"
+    return r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\(" + inner + r"\))"
+
+
+# `$B` or `$(B*T)`: a byte count or an integer argument that is a size expression.
+SYM_RE = re.compile(_sym_pattern(MAX_SIZE_PARENS))
+# A dtype and shape (`f32[2,64]`, `f32[B,T-1,max(T,8)]`), a stride list.
+TYPE_RE = re.compile(r"[A-Za-z_]\w*\[(?:" + _SIZE_CHARS + r"|[()])*\]")
+INTS_RE = re.compile(r"\[(?:" + _SIZE_CHARS + r"|[()])*\]")
+INT_TEXT_RE = re.compile(r"[ \t]*-?\d+[ \t]*")
+
+
+def split_sizes(body: str) -> list[str]:
+    """The items of a dimension or stride list's text (between its
+    brackets), split at the commas outside parentheses: `B,max(T,8)` ->
+    [`B`, `max(T,8)`]; [] for blanks only."""
+    if not body.strip():
+        return []
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(body):
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(body[start:i])
+            start = i + 1
+    out.append(body[start:])
+    return out
+
+
+def paren_depth(text: str) -> int:
+    """How deep parentheses nest in `text`."""
+    depth = most = 0
+    for c in text:
+        if c == "(":
+            depth += 1
+            most = max(most, depth)
+        elif c == ")":
+            depth -= 1
+    return most
+
+
+def sym_text(x) -> str:
+    """A byte count or an integer argument that is an expression, as the
+    text writes it: `$B` for one symbol, else `$(expr)` (canonical)."""
+    t = sz.size_text(x)
+    return "$" + t if SYMBOL_RE.fullmatch(t) else f"$({t})"
+
+
+def default_stride(shape: list) -> list:
+    """The stride a value has when its line gives none: the contiguous
+    stride, for a symbolic shape as expressions (`[B,T,64]` -> `[64*T,64,1]`;
+    a symbolic dimension is taken to be at least 1)."""
+    if all(type(d) is int for d in shape):
+        return contiguous_stride(shape)
+    stride: list = []
+    coef, factors = 1, []  # the product so far: an int and expressions, those from the left first
+    for d in reversed(shape):
+        if not factors:
+            stride.append(coef)
+        else:
+            stride.append(sz.normal_size("*".join(([str(coef)] if coef != 1 else []) +
+                                                  [f"({f})" for f in factors])))
+        if type(d) is int:
+            coef *= max(d, 1)
+        else:
+            factors.insert(0, d)
+    return stride[::-1]
