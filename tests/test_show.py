@@ -143,3 +143,39 @@ def test_output_into_a_closed_pipe_exits_quietly(plan_file, tmp_path, capsys):
     assert r.stdout.startswith("plan: model gpt2-tiny") and r.stdout.count("\n") == 1
     assert r.stderr == "", r.stderr
     assert r.returncode == 141  # as a command killed by SIGPIPE
+
+
+# ------------------------------------------------------------ symbolic plans
+
+SYMBOLIC_PLAN = __import__("os").path.join(__import__("os").path.dirname(__file__), "plans", "mlp-batch.rir")
+
+
+def test_symbolic_plan_is_shown_at_the_high_end_or_the_sizes_asked(capsys):
+    assert main([SYMBOLIC_PLAN]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sizes: at B=8, the high end of the plan's range (B=2..8); choose other sizes with --size")
+    assert "256 B  h f32[8,8]" in out
+    for size in (["--size", "B=3"], ["--size=B=3"]):
+        assert main([SYMBOLIC_PLAN, *size]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("sizes: at B=3 (the plan covers B=2..8)") and "96 B  h f32[3,8]" in out
+
+
+@pytest.mark.parametrize("size,words", [
+    ("B=9", "--size: B=9 is outside the plan's range B=2..8"),
+    ("T=3", "--size T=3: the plan has no size symbol T (its symbols: B)"),
+    ("B", "--size 'B': expected SYMBOL=N, like T=96"),
+    ("B=x", "--size 'B=x': expected SYMBOL=N"),
+])
+def test_symbolic_sizes_outside_the_plan_are_refused(size, words, capsys):
+    assert main([SYMBOLIC_PLAN, "--size", size]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_verify_says_a_symbolic_plan_is_verified_over_its_range(capsys):
+    from remat_ir.cli.commands import verify_main
+
+    assert verify_main([SYMBOLIC_PLAN]) == 0
+    out = capsys.readouterr().out
+    assert "memory at the high end of the range (B=8):" in out
+    assert out.rstrip().endswith("sound over its range B=2..8 (verified at B=2 and at B=8)")

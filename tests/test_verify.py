@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from remat_ir.ir import (
     BACKWARD, COMPUTE, FREE, GRAD, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE, Budget, DType, Instr,
-    Ref, contiguous_stride, node_inputs,
+    Ref, Seq, Sym, contiguous_stride, node_inputs,
 )
 from remat_ir.ir.printer import with_lines
 from remat_ir.check.simulate import optimizer_state_bytes, simulate
@@ -671,3 +671,82 @@ def test_a_plan_with_its_loss_returns_one_scalar():
     without = parse_program(PLAN.replace("  result 0 = loss\n", "  result 0 = loss\n  result 1 = mm\n")
                             .replace("has_loss true", "has_loss false"))
     assert not any("has_loss" in d.message for d in verify(without).errors)
+
+
+# ------------------------------------------------------------ symbolic plans
+
+SYMBOLIC_PLAN = os.path.join(os.path.dirname(__file__), "plans", "mlp-batch.rir")
+
+
+def _symbolic():
+    from remat_ir.ir.files import load_plan
+
+    return load_plan(SYMBOLIC_PLAN)
+
+
+def _fingerprinted():
+    from remat_ir.ir.fingerprint import fingerprint
+
+    p = _symbolic()
+    p.header.fingerprint = fingerprint(p)
+    return p
+
+
+def test_symbolic_plan_verifies_over_its_range():
+    from remat_ir.ir import sizes as sz
+
+    p = _fingerprinted()
+    v = verify(p)
+    assert v.ok, str(v)
+    # The report is the high end's (B=8): x alone is 8*16 bytes there.
+    high = verify(sz.instantiate(p, {"B": 8}))
+    assert v.report.peak_bytes == high.report.peak_bytes
+
+
+@pytest.mark.parametrize("edit", [
+    lambda p: setattr(p.value_map()["a"], "shape", ["B+1", 8]),
+    lambda p: setattr(p.value_map()["a"], "nbytes", "32*B+4"),
+    lambda p: setattr(p.value_map()["h.t"], "stride", [1, "8*B"]),
+    lambda p: p.nodes[4].args.__setitem__(1, Seq([Sym("B+1"), 3])),
+    lambda p: setattr(p.header, "sizes", ["B=2..9"]),
+    lambda p: setattr(p.header, "size_guards", ["B != 3"]),
+])
+def test_editing_a_symbolic_plan_breaks_its_fingerprint(edit):
+    p = _fingerprinted()
+    edit(p)
+    v = verify(p)
+    assert not v.ok
+    assert any("no longer matches its fingerprint" in d.message for d in v.errors), str(v)
+
+
+def test_symbolic_budget_is_checked_at_both_ends():
+    from remat_ir.ir import Budget
+    from remat_ir.ir import sizes as sz
+
+    p = _symbolic()
+    def peak(v):
+        return max(v.report.peak_bytes, v.report_first_step.peak_bytes)
+
+    low, high = (peak(verify(sz.instantiate(p, s))) for s in sz.ends(p))
+    assert low < high
+    p.header.budget = Budget((low + high) // 2, "total")
+    v = verify(p)
+    assert not v.ok and len(v.errors) == 1
+    assert v.errors[0].message.startswith("at B=8: peak memory (total)"), v.errors[0]
+    p.header.budget = Budget(high, "total")
+    assert verify(p).ok
+
+
+def test_symbolic_expressions_are_checked():
+    p = _symbolic()
+    p.value_map()["a"].shape = ["B*(", 8]
+    p.nodes[0].args.append(Sym("Q"))
+    p.header.size_guards = ["B <", "Z > 1"]
+    p.header.sizes = ["B=2..8", "B=1..2", "T=4..1"]
+    msgs = [d.message for d in verify(p).errors]
+    assert any("size symbol B is given two ranges" in m for m in msgs), msgs
+    assert any("size range: 'T=4..1'" in m for m in msgs), msgs
+    assert any("value a: dimension: 'B*(' is not a size expression" in m for m in msgs), msgs
+    assert any("size argument `Q` names the size symbol Q" in m for m in msgs), msgs
+    assert any("size guard `Z > 1` names the size symbol Z" in m for m in msgs), msgs
+    assert any(m.startswith("size guard: 'B <'") for m in msgs), msgs

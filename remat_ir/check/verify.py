@@ -68,8 +68,9 @@ from dataclasses import dataclass, field
 
 from remat_ir.ir import (
     BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE,
-    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, arg_depth, node_inputs,
+    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, Seq, Sym, arg_depth, node_inputs,
 )
+from remat_ir.ir import sizes as sz
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.fingerprint import fingerprint
@@ -168,12 +169,25 @@ def _is_int(x) -> bool:
 def verify(program: Program, *, max_errors: int = MAX_ERRORS, graph: bool = True) -> Verdict:
     """Check `program`; return every error found (sorted, at most `max_errors`).
 
+    A symbolic program (`header.sizes`, `remat_ir.ir.sizes`) is checked over
+    its range: its size expressions are well formed and name declared
+    symbols, each symbol is a whole dimension of an input, its fingerprint
+    matches, and the program verifies at each end of the range
+    (`sizes.ends`, via `sizes.instantiate`), each error saying at which
+    sizes; the report is the high end's.
+
     `graph=False` skips the type check of the graph section against PyTorch
     (`remat_ir.check.typecheck`, the costly part: about 1.5 s for GPT-2
     medium's 3400 ops, and about 1 s more the first time in a process, for
     FakeTensorMode's imports): for callers that changed only the schedule of a
     plan whose graph was checked already.  The graph's consistency (names, shapes
     against byte counts, views, outputs) is always checked."""
+    if program.header.sizes:
+        return _verify_symbolic(program, max_errors, graph)
+    return _verify_concrete(program, max_errors, graph)
+
+
+def _verify_concrete(program: Program, max_errors: int, graph: bool) -> Verdict:
     v = _Verifier(program)
     v.check_graph()
     if graph:
@@ -194,10 +208,121 @@ def verify(program: Program, *, max_errors: int = MAX_ERRORS, graph: bool = True
                                         f"accepted ({e}); this is a bug in remat-ir"))
         else:
             v.check_budget(report, first)
-    errors.sort(key=lambda d: (d.line, _SECTION_RANK.get(d.section, 6), d.index))
+    _sort(errors)
     omitted = max(0, len(errors) - max_errors)
     return Verdict(ok=not errors, errors=errors[:max_errors], report=report,
                    report_first_step=first, omitted=omitted)
+
+
+def _sort(errors: list[Diagnostic]) -> None:
+    errors.sort(key=lambda d: (d.line, _SECTION_RANK.get(d.section, 6), d.index))
+
+
+def _at(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _verify_symbolic(program: Program, max_errors: int, graph: bool) -> Verdict:
+    errors = _symbolic_errors(program)
+    if graph:
+        v = _Verifier(program)
+        v.check_fingerprint()  # of the symbolic program; each instantiation has its own
+        errors += v.errors
+    report = first = None
+    if not errors:
+        h = program.header
+        found: dict[tuple, list[str]] = {}
+        for at in sz.ends(program):
+            try:
+                concrete = sz.instantiate(program, at)
+            except sz.SizeError as e:
+                errors.append(Diagnostic(h.lines.get("size_guards", h.lines.get("sizes", 0)),
+                                         f"at {_at(at)}, an end of the plan's range: {e}; the plan is verified "
+                                         "at the ends of its range, so they must pass its size guards", "header"))
+                continue
+            concrete.header.lines = dict(h.lines)
+            verdict = _verify_concrete(concrete, max_errors, graph)
+            for d in verdict.errors:
+                found.setdefault((d.line, d.message, d.section, d.index), []).append(_at(at))
+            report, first = verdict.report, verdict.report_first_step  # (the high end's: last)
+        for (line, message, section, index), ats in found.items():
+            errors.append(Diagnostic(line, f"at {' and at '.join(ats)}: {message}", section, index))
+    _sort(errors)
+    omitted = max(0, len(errors) - max_errors)
+    return Verdict(ok=not errors, errors=errors[:max_errors], report=report if not errors else None,
+                   report_first_step=first if not errors else None, omitted=omitted)
+
+
+def _symbolic_errors(program: Program) -> list[Diagnostic]:
+    """What is wrong with a symbolic program's size expressions, ranges and
+    guards, before it is instantiated."""
+    h = program.header
+    out: list[Diagnostic] = []
+    sizes_line = h.lines.get("sizes", 0)
+    declared: dict[str, sz.SizeRange] = {}
+    for r_text in h.sizes:
+        try:
+            r = sz.parse_range(r_text)
+        except sz.SizeError as e:
+            out.append(Diagnostic(sizes_line, f"size range: {e}", "header"))
+            continue
+        if r.symbol in declared:
+            out.append(Diagnostic(sizes_line, f"size symbol {r.symbol} is given two ranges", "header"))
+        declared[r.symbol] = r
+
+    def check(x, what: str, line: int, section: str, index: int) -> None:
+        if type(x) is int:
+            return
+        if not isinstance(x, str):
+            out.append(Diagnostic(line, f"{what} is {x!r}, neither an integer nor a size expression",
+                                  section, index))
+            return
+        try:
+            sz.size_text(x)
+            names = sz.expr_symbols(x)
+        except (sz.SizeError, RecursionError) as e:
+            out.append(Diagnostic(line, f"{what}: {e}", section, index))
+            return
+        for s in names:
+            if s not in declared:
+                out.append(Diagnostic(line, f"{what} `{x}` names the size symbol {s}, which the header's "
+                                            f"`sizes` line does not declare (declared: "
+                                            f"{', '.join(declared) or 'none'})", section, index))
+
+    for i, v in enumerate(program.values):
+        for d in v.shape:
+            check(d, f"value {v.name}: dimension", v.line, "values", i)
+        for st in v.stride:
+            check(st, f"value {v.name}: stride", v.line, "values", i)
+        check(v.nbytes, f"value {v.name}: byte count", v.line, "values", i)
+    for i, n in enumerate(program.nodes):
+        stack = list(n.args) + list(n.kwargs.values())
+        while stack:
+            a = stack.pop()
+            if isinstance(a, Sym):
+                check(a.expr, f"node {n.name}: size argument", n.line, "nodes", i)
+            elif isinstance(a, Seq):
+                stack.extend(a.items)
+    guards_line = h.lines.get("size_guards", 0)
+    high = {s: r.high for s, r in declared.items()}
+    for g in h.size_guards:
+        try:
+            names = sz.expr_symbols(g)
+            undeclared = [s for s in names if s not in declared]
+            if undeclared:
+                out.append(Diagnostic(guards_line, f"size guard `{g}` names the size symbol {undeclared[0]}, which "
+                                                   "the header's `sizes` line does not declare", "header"))
+                continue
+            sz.condition_holds(g, high)
+        except (sz.SizeError, RecursionError) as e:
+            out.append(Diagnostic(guards_line, f"size guard: {e}", "header"))
+    bound = {d for v in program.values if v.kind == INPUT for d in v.shape if isinstance(d, str)}
+    for s in declared:
+        if s not in bound:
+            out.append(Diagnostic(sizes_line, f"size symbol {s} is no whole dimension of any input, so a call's "
+                                              f"shapes cannot tell its size; give some input a dimension {s}, "
+                                              "or remove the symbol", "header"))
+    return out
 
 
 class _Verifier:

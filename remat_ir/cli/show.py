@@ -3,6 +3,8 @@
     remat-show PLAN.rir                 text: the peak, where it occurs, what is live
                                         there, and what the plan recomputes
     remat-show PLAN.rir --png FILE      the memory timeline as a picture
+    remat-show PLAN.rir --size B=2,T=96 a symbolic plan at those sizes (others at
+                                        the high end of its range, the default)
 
 The timeline is the simulator's (`remat_ir.check.simulate`): live bytes right after
 each instruction's allocation, by category, in the steady state (`.grad`
@@ -248,7 +250,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-step", action="store_true", help="the first step (no .grad yet) instead of "
                                                              "the steady state")
     p.add_argument("--top", type=int, default=6, help="how many of the largest tensors to name")
+    p.add_argument("--size", action="append", default=[], metavar="SYMBOL=N[,SYMBOL=N]",
+                   help="a symbolic plan: show it at these sizes (repeatable; a symbol not given is at the "
+                        "high end of the plan's range)")
     return p
+
+
+def at_sizes(program, given: list[str], plan: str):
+    """A symbolic plan instantiated at the sizes `--size` gives (the others
+    at the high end of its range), and a line saying which; a concrete plan
+    as it is, and ""."""
+    from remat_ir.ir import sizes as sz
+
+    if not sz.is_symbolic(program):
+        if given:
+            raise CliError(f"--size: {plan} is not a symbolic plan (it has no `sizes` line)")
+        return program, ""
+    try:
+        ranges = sz.ranges(program)
+    except sz.SizeError as e:
+        raise CliError(f"{plan}: {e}; run remat-verify {plan}") from e
+    sizes = {s: r.high for s, r in ranges.items()}
+    for item in (x for arg in given for x in arg.split(",")):
+        sym, eq, n = item.partition("=")
+        sym = sym.strip()
+        if not eq or not n.strip().isdigit():
+            raise CliError(f"--size {item!r}: expected SYMBOL=N, like T=96")
+        if sym not in ranges:
+            raise CliError(f"--size {item}: the plan has no size symbol {sym} (its symbols: {', '.join(ranges)})")
+        sizes[sym] = int(n)
+    try:
+        why = sz.check_sizes(program, sizes)
+        if why:
+            raise CliError(f"--size: {why}")
+        concrete = sz.instantiate(program, sizes, refingerprint=False)
+    except sz.SizeError as e:
+        raise CliError(f"{plan}: cannot instantiate the plan at these sizes: {e}; run remat-verify {plan}") from e
+    at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    if given:
+        return concrete, f"at {at} (the plan covers {', '.join(program.header.sizes)})"
+    return concrete, (f"at {at}, the high end of the plan's range ({', '.join(program.header.sizes)}); "
+                      "choose other sizes with --size")
 
 
 def _run(argv) -> int:
@@ -264,6 +306,7 @@ def _run(argv) -> int:
         raise CliError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     except Exception as e:  # noqa: BLE001 - whatever the parser raises: one line
         raise CliError(f"{args.plan}: cannot read the plan: {type(e).__name__}: {e}") from e
+    program, sizes_note = at_sizes(program, args.size, args.plan)
     try:
         # top_k covers every storage: the state is filtered out afterwards.
         report = simulate(program, grads_present=not args.first_step, keep_timeline=True,
@@ -275,8 +318,11 @@ def _run(argv) -> int:
         timeline_png(program, report, args.png, first_step=args.first_step, top=min(args.top, 5))
         from remat_ir.cli.report import where
 
-        print(f"wrote {args.png}: peak {human_bytes(report.peak_bytes)} at {where(program, report.peak)}")
+        print(f"wrote {args.png}: peak {human_bytes(report.peak_bytes)} at {where(program, report.peak)}"
+              + (f"; {sizes_note}" if sizes_note else ""))
     else:
+        if sizes_note:
+            print(f"sizes: {sizes_note}")
         print(text_summary(program, report, first_step=args.first_step, top=args.top))
     return EXIT_OK
 
