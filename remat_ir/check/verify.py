@@ -159,6 +159,10 @@ def needed_bytes(shape: list[int], stride: list[int], dtype: str) -> int:
     return (1 + sum((d - 1) * s for d, s in zip(shape, stride))) * DTYPE_BYTES[dtype]
 
 
+# After an error about a size expression in a plan without a `sizes` line.
+_NO_SIZES = " (a size expression: only a symbolic plan, with a `sizes` line declaring its symbols, has them)"
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -421,13 +425,15 @@ class _Verifier:
                               f"(shape {val.shape}, stride {val.stride})")
                 shape_ok = False
             if any(not _is_int(d) or d < 0 for d in val.shape):
-                self.err(loc, f"value {name} has a negative or non-integer size in shape {val.shape}")
+                self.err(loc, f"value {name} has a negative or non-integer size in shape {val.shape}"
+                              + _NO_SIZES * any(isinstance(d, str) for d in val.shape))
                 shape_ok = False
             if any(not _is_int(s) or s < 0 for s in val.stride):
-                self.err(loc, f"value {name} has a negative or non-integer stride in {val.stride}")
+                self.err(loc, f"value {name} has a negative or non-integer stride in {val.stride}"
+                              + _NO_SIZES * any(isinstance(d, str) for d in val.stride))
                 shape_ok = False
             if not _is_int(val.nbytes) or val.nbytes < 0:
-                self.err(loc, f"value {name} has invalid nbytes {val.nbytes!r}")
+                self.err(loc, f"value {name} has invalid nbytes {val.nbytes!r}" + _NO_SIZES * isinstance(val.nbytes, str))
                 shape_ok = False
             need = needed_bytes(val.shape, val.stride, val.dtype) if shape_ok else 0
             if val.storage == name:
