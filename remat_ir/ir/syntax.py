@@ -84,6 +84,14 @@ Rules of the text:
   A keyword argument's name is an identifier (`[A-Za-z_][A-Za-z0-9_]*`), bare,
   or quoted (`"true"=...`) when it is one of the argument keywords `true`,
   `false`, `none`, `inf`, `nan`; no other name is read.
+* A symbolic plan (sizes that vary between calls, `remat_ir.ir.sizes`) has
+  header lines `sizes B=2..4, T=32..128` and `size_guards "T <= 128"`; a
+  dimension or stride may be a size expression (`f32[B*T,64]`,
+  `stride [64*T,64,1]`; the brackets delimit it, commas inside `max(a,b)`
+  do not split), a byte count or an integer argument `$B` or `$(256*B*T)`
+  (parentheses at most MAX_SIZE_PARENS deep).  Expressions print in
+  canonical text (`sizes.size_text`); a contiguous stride (`default_stride`)
+  is left out; byte sizes in comments are at the range's high end.
 * Schedule: `forward` then `backward` sections of `compute NODE`,
   `recompute NODE`, `free VALUE`; `outputs` of `result KEY = VALUE` and
   `grad VALUE = VALUE`.
