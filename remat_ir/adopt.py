@@ -272,6 +272,26 @@ class AutoRemat(WrappedModule):
             out.append(sz.format_range(sz.SizeRange(r.symbol, r.low, max(r.low, high.get(r.symbol, r.high)))))
         return out
 
+    @staticmethod
+    def _within_guards(program, call) -> None:
+        """Narrow the range to the call's own sizes at an end where the
+        trace's size guards do not hold (`B*T != 4` at B=T=2, `T <= 64` at a
+        high end of 128): a plan verifies at both ends of its range."""
+        from remat_ir.ir import sizes as sz
+        from remat_ir.ir.fingerprint import fingerprint
+
+        low, high = sz.ends(program)[0], sz.ends(program)[-1]
+        bad_low, bad_high = sz.check_sizes(program, low), sz.check_sizes(program, high)
+        if not (bad_low or bad_high):
+            return
+        got = dict(zip(call.names, call.tensors))
+        sizes, _ = sz.bind_sizes([(v.source or v.name, v.shape, list(got[v.source or v.name].shape))
+                                  for v in program.values if v.kind == "input"])
+        program.header.sizes = [
+            sz.format_range(sz.SizeRange(s, sizes[s] if bad_low else r.low, sizes[s] if bad_high else r.high))
+            for s, r in sz.ranges(program).items()]
+        program.header.fingerprint = fingerprint(program)
+
     def _grown(self, call, shape_class):
         """A symbolic plan of this shape class whose range, grown to this
         call's sizes, still fits its budget there (no optimizer run), or None."""
@@ -349,6 +369,7 @@ class AutoRemat(WrappedModule):
                     program = pipeline.trace(self.module, args, kwargs, dynamic=dims, **trace)
                     program.header.sizes = self._ranges(program, call)
                     program.header.fingerprint = fingerprint(program)
+                    self._within_guards(program, call)
                 except TraceError as e:
                     print(f"remat-ir: {e}; planning this call's sizes alone", file=sys.stderr)
                     program = None
@@ -377,8 +398,22 @@ class AutoRemat(WrappedModule):
                     print(f"remat-ir: ignoring the cached plan {path}: {e}", file=sys.stderr)
             effort = {} if o["effort"] is None else {"effort": o["effort"]}
             self.solves += o["budget"] is not None
-            plan = pipeline.fit(program, o["budget"], scope=o["scope"], time_limit=o["time_limit"],
-                                solver=o["solver"], **effort)
+            fit = dict(scope=o["scope"], time_limit=o["time_limit"], solver=o["solver"], **effort)
+            try:
+                plan = pipeline.fit(program, o["budget"], **fit)
+            except pipeline.BudgetError as e:
+                if traced is None:
+                    raise
+                # Below what recomputation alone reaches: graph rewrites, chosen for one size.
+                print(f"remat-ir: {e}; planning this call's sizes alone", file=sys.stderr)
+                traced = None
+                program = pipeline.trace(self.module, args, kwargs, **trace)
+                path = (cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
+                        if self.cache_plans else None)
+                cached = _load_cached(path, program, o) if path is not None else None
+                if cached is not None:
+                    return PlanRunner(self.module, cached, self.loss_fn, check_model=False)
+                plan = pipeline.fit(program, o["budget"], **fit)
             if path is not None:
                 _store(path, plan)
             runner = PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)

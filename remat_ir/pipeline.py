@@ -187,7 +187,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
         program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it
-        shape = ", ".join(f"{v.name} {v.dtype}[{','.join(map(str, v.shape))}]"
+        shape = ", ".join(f"{v.name} {v.dtype}[{', '.join(map(str, v.shape))}]"
                           for v in program.values if v.kind == "input")
         program.header.comment = [f"remat-ir plan: {name} ({shape})"] + program.header.comment
     if cost == COST_PROFILE:

@@ -80,6 +80,11 @@ def _compile_parser() -> argparse.ArgumentParser:
                         "implies --pareto")
     p.add_argument("--pareto-png", metavar="FILE",
                    help="where to draw the sweep (default: next to -o, <stem>.pareto.png); implies --pareto")
+    p.add_argument("--dynamic", action="store_true",
+                   help="a symbolic plan: one for every batch and sequence size up to the example's (or "
+                        "--max-size's); the batch and the token sequences' lengths are its size symbols")
+    p.add_argument("--max-size", action="append", default=[], metavar="SYMBOL=N",
+                   help="with --dynamic: the largest size of a symbol (T=512); repeat for others")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -95,6 +100,21 @@ def _pareto_png(args) -> str | None:
         return args.pareto_png
     root, ext = os.path.splitext(args.output)
     return (root if ext == ".rir" else args.output) + ".pareto.png"
+
+
+def _max_sizes(args) -> dict[str, int]:
+    """--max-size SYMBOL=N, each given once."""
+    out: dict[str, int] = {}
+    for text in args.max_size:
+        name, _, value = text.partition("=")
+        if not (name.strip().isidentifier() and value.strip().isdigit()):
+            raise CliError(f"--max-size {text!r}: expected SYMBOL=N, e.g. T=512")
+        if name.strip() in out:
+            raise CliError(f"--max-size: {name.strip()} given twice")
+        out[name.strip()] = int(value)
+    if out and not args.dynamic:
+        raise CliError("--max-size sets the range of a symbolic plan: add --dynamic")
+    return out
 
 
 def _compile(argv) -> int:
@@ -144,6 +164,10 @@ def _compile(argv) -> int:
             raise CliError(f"--autocast {args.autocast} is for {autocast_device}, but the model is built on "
                            f"--device {args.device}")
     pareto = args.pareto or args.pareto_points is not None or args.pareto_png is not None
+    max_sizes = _max_sizes(args)
+    if args.dynamic and (pareto or args.fake):
+        raise CliError(f"--dynamic traces the model's own example with symbols for its sizes; it does not go "
+                       f"with {'--pareto' if pareto else '--fake'}")
     points = _PARETO_POINTS if args.pareto_points is None else args.pareto_points
     if pareto and points < 2:
         raise CliError(f"--pareto-points must be at least 2 (the unoptimized peak and the floor), not {points}")
@@ -167,7 +191,25 @@ def _compile(argv) -> int:
     # The step is traced in train mode whatever mode the model is in: say so.
     in_eval = [name for name, m in model.module.named_modules() if not m.training]
     try:
-        program = trace(model.module, model.inputs, **step, stats=stats)
+        if args.dynamic:
+            from remat_ir.pipeline import widen
+            from remat_ir.trace.calls import dynamic_dims, split_call
+
+            dims = dynamic_dims(split_call(model.module, model.inputs))
+            if not dims:
+                raise CliError("--dynamic: the example has no batch or sequence dimension of size 2 or more to "
+                               "make a symbol (or an input that is not a contiguous tensor of its own)")
+            program = trace(model.module, model.inputs, **step, stats=stats, dynamic=dims)
+            if max_sizes:
+                try:
+                    program.header.sizes = widen(program, max_sizes)
+                except ValueError as e:
+                    raise CliError(f"--max-size: {e}") from None
+                from remat_ir.ir.fingerprint import fingerprint
+
+                program.header.fingerprint = fingerprint(program)
+        else:
+            program = trace(model.module, model.inputs, **step, stats=stats)
         _check_scalar_loss(program, args.model, model.loss)
         if not pareto:
             program = fit(program, args.budget, **solve, **exact, stats=stats)
@@ -186,7 +228,10 @@ def _compile(argv) -> int:
     if rows is not None:
         notes.append(f"swept {len(rows)} budgets in {t_sweep:.1f} s")
     if stats.optimized is not None:
-        notes.append(f"optimized in {stats.seconds['optimize']:.1f} s: {overhead_text(program)}")
+        # All of the planning: a floor's search (resolving the budget) is part of it.
+        stages = [(k, stats.seconds[k]) for k in ("budget", "optimize", "verify") if k in stats.seconds]
+        spent = ", ".join(f"{k} {v:.1f} s" for k, v in stages)
+        notes.append(f"optimized in {sum(v for _, v in stages):.1f} s ({spent}): {overhead_text(program)}")
     if program.header.rewrites:
         from remat_ir.rewrite import describe
 

@@ -353,8 +353,9 @@ def instantiate(program: Program, sizes: dict[str, int], *, refingerprint: bool 
             n = msgspec.structs.replace(n, args=[_arg(a, sizes) for a in n.args],
                                         kwargs={k: _arg(a, sizes) for k, a in n.kwargs.items()})
         nodes.append(n)
-    # A concrete program of its own: no range, and the fingerprint of what it now says.
-    header = msgspec.structs.replace(program.header, sizes=[], size_guards=[], lines={})
+    # A concrete program of its own: no range, and the fingerprint of what it now says
+    # (the lines it came from kept, so messages about it point into the plan's text).
+    header = msgspec.structs.replace(program.header, sizes=[], size_guards=[])
     out = msgspec.structs.replace(program, header=header, values=values, nodes=nodes)
     if header.fingerprint and refingerprint:
         header.fingerprint = fingerprint(out)
