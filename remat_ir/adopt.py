@@ -196,7 +196,10 @@ class AutoRemat(WrappedModule):
                 runner = self._grown(call, shape_class) or self._plan(call)
             if not self.plans or guard is None:
                 self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
-            key = (shape_class if runner.symbolic else structure, tuple(runner.program.header.guards))
+            # A symbolic plan's inputs' shapes tell it from another of the same class
+            # (a batch of one: symbolic in its sequence only).
+            shapes = tuple(tuple(map(str, v.shape)) for v in runner.exe.inputs) if runner.symbolic else ()
+            key = (shape_class if runner.symbolic else structure, tuple(runner.program.header.guards), shapes)
             old = self.plans.pop(key, None)
             if old is not None:
                 self._traced.pop(id(old), None)
