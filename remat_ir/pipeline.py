@@ -315,9 +315,15 @@ def _fit_symbolic(program: Program, budget, **options) -> Program:
     which is the schedule of every size (the instantiations share node and
     value names), verified over the range.  A budget only graph rewrites
     reach is refused: their chunks are chosen for one size."""
+    from remat_ir.optimize.search import Infeasible
+
     high = sizes.ends(program)[-1]
-    plan = fit(sizes.instantiate(program, high), budget, **options)
     at = ", ".join(f"{k}={v}" for k, v in high.items())
+    try:
+        plan = fit(sizes.instantiate(program, high), budget, **options)
+    except Infeasible as e:
+        # (A plan of one size may still reach it, with graph rewrites: the caller can plan sizes alone.)
+        raise BudgetError(f"at {at}: {e}") from e
     if plan.header.rewrites:
         raise BudgetError(f"at {at} the budget is below what recomputation alone reaches, and a plan for every "
                           "size cannot rewrite the graph; raise the budget, or plan each size on its own")

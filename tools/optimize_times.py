@@ -57,6 +57,54 @@ def llama3():
     return trace(model, (), {"input_ids": ids, "labels": ids}, name="transformers Llama, 3 layers")
 
 
+def encoder_decoder(kind: str, layers: int):
+    """A transformers T5 or BART with `layers` encoder and decoder layers
+    (d=128), traced under fake tensors for a batch of 4 x 64 (labels 32)."""
+    def make():
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            if kind == "t5":
+                from transformers import T5Config, T5ForConditionalGeneration
+
+                model = T5ForConditionalGeneration(T5Config(
+                    vocab_size=1000, d_model=128, d_ff=256, d_kv=32, num_layers=layers,
+                    num_decoder_layers=layers, num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+            else:
+                from transformers import BartConfig, BartForConditionalGeneration
+
+                model = BartForConditionalGeneration(BartConfig(
+                    vocab_size=1000, d_model=128, encoder_layers=layers, decoder_layers=layers,
+                    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+                    decoder_ffn_dim=256, max_position_embeddings=128, pad_token_id=1, bos_token_id=0,
+                    eos_token_id=2, decoder_start_token_id=2))
+            model.train()
+            call = {"input_ids": torch.randint(0, 1000, (4, 64)), "attention_mask": torch.ones(4, 64, dtype=torch.long),
+                    "labels": torch.randint(0, 1000, (4, 32))}
+        return trace(model, (), call, name=f"transformers {kind} {layers}+{layers}", fake=True)
+    return make
+
+
+def llama_70b_shapes(layers: int):
+    """Llama-2-70B's shapes (d=8192, GQA 64/8 heads, FFN 28672) with `layers`
+    layers, fake, one sequence of 4096."""
+    def make():
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with FakeTensorMode():
+            model = LlamaForCausalLM(LlamaConfig(
+                hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096))
+            model.train()
+            ids = torch.randint(0, 32000, (1, 4096))
+        return trace(model, (), {"input_ids": ids, "labels": ids}, name=f"Llama-2-70B shapes, {layers} layers",
+                     fake=True)
+    return make
+
+
 # (label, program maker, budgets, target seconds per budget)
 CASES = [
     ("gpt2-tiny", builtin("gpt2-tiny", fake=True), (0.7, 0.5), 2.0),
@@ -65,6 +113,14 @@ CASES = [
     ("transformers Llama, 3 layers", llama3, (0.7,), 2.0),
     ("gpt2-mid8", builtin("gpt2-mid8", fake=True), (0.5,), 5.0),
     ("GPT-2 medium 4x512 (fake)", builtin("gpt2-medium", fake=True, batch=4, seq=512), (0.5, 0.3), 8.0),
+    # Encoder-decoders and a deep model (the optimizer issue's targets).
+    ("T5 3+3 (fake)", encoder_decoder("t5", 3), (0.7, 0.5, 0.3), 10.0),
+    ("BART 3+3 (fake)", encoder_decoder("bart", 3), (0.7, 0.5, 0.3), 10.0),
+    ("T5 12+12 (fake)", encoder_decoder("t5", 12), (0.5,), 10.0),
+    ("BART 12+12 (fake)", encoder_decoder("bart", 12), (0.5,), 10.0),
+    ("Llama-2-70B shapes, 8 layers (fake)", llama_70b_shapes(8), (0.3,), 15.0),
+    ("Llama-2-70B shapes, 32 layers (fake)", llama_70b_shapes(32), (0.3,), 15.0),
+    ("Llama-2-70B shapes, 80 layers (fake)", llama_70b_shapes(80), (0.3,), 15.0),
 ]
 
 
