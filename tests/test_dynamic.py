@@ -90,6 +90,7 @@ def test_varying_shapes_train_as_eager_with_one_plan_and_exact_peaks(tmp_path, m
     assert symbolic and all(sz.ranges(p)["T"].high == 128 for p in symbolic)  # the model's own limit
 
 
+@pytest.mark.slow
 def test_a_size_outside_the_range_gets_a_plan_of_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
     model = _llama(layers=1)
@@ -105,6 +106,7 @@ def test_a_size_outside_the_range_gets_a_plan_of_its_own(tmp_path, monkeypatch):
     assert sorted(sorted(sz.ranges(r.program)) for r in wrapped.plans.values()) == [["B", "T"], ["T"]]
 
 
+@pytest.mark.slow
 def test_dynamic_false_plans_each_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
     model = _llama(layers=1)
@@ -115,6 +117,7 @@ def test_dynamic_false_plans_each_shape(tmp_path, monkeypatch):
     assert [r.symbolic for r in wrapped.plans.values()] == [False, False]
 
 
+@pytest.mark.slow
 def test_max_shape_sets_the_range(tmp_path, monkeypatch):
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
     model = _llama(layers=1)
