@@ -118,7 +118,7 @@ def test_dynamic_false_plans_each_shape(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_max_shape_sets_the_range(tmp_path, monkeypatch):
+def test_max_shape_sets_the_range(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
     model = _llama(layers=1)
     wrapped = remat_ir.wrap(model, budget=0.6, max_shape={"input_ids": (8, 64)})
@@ -129,6 +129,17 @@ def test_max_shape_sets_the_range(tmp_path, monkeypatch):
     assert (ranges["B"].high, ranges["T"].high) == (8, 64)
     wrapped(**_batch(rng, g, 8, 64)).loss.backward()
     assert wrapped.solves == 1
+    # The plan on disk is a symbolic .rir: canonical text, sound over its range, drawn at a size.
+    from remat_ir.cli.commands import show_main
+    from remat_ir.ir.parser import parse_program
+    from remat_ir.ir.printer import format_program
+
+    (path,) = tmp_path.glob("*.rir")
+    text = path.read_text()
+    assert "sizes B=2..8, T=2..64" in text and format_program(parse_program(text)) == text
+    assert remat_ir.verify(remat_ir.load_plan(path)).ok
+    assert show_main([str(path), "--size", "B=3,T=40"]) in (0, None)
+    assert "at B=3, T=40" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------ the language
