@@ -181,12 +181,7 @@ class AutoRemat(WrappedModule):
         # or not): then each decision has its own, keyed by its guards.
         structure, shape_class = call.structure(), call.shape_class()
         self._note_sizes(shape_class, call)
-        key = runner = None
-        for k, r in self.plans.items():
-            if k[0] == (shape_class if r.symbolic else structure) and not r.accepts(call) \
-                    and not r.failed_guard(self.module, call):
-                key, runner = k, r
-                break
+        key, runner = self._serving(call)
         if runner is None:
             # Planning is not part of the step: a dispatch mode the caller has on
             # (a memory tracker, a FLOP counter) does not see its fake tensors.
@@ -218,12 +213,19 @@ class AutoRemat(WrappedModule):
         from remat_ir.trace.calls import split_call
 
         call = split_call(self.module, args, kwargs)
+        _, r = self._serving(call)
+        if r is None:
+            return None
+        return sz.instantiate(r.program, r.sizes_of(call)[0]) if r.symbolic else r.program
+
+    def _serving(self, call):
+        """(key, plan) of the plan in memory that runs `call`, or (None, None)."""
         structure, shape_class = call.structure(), call.shape_class()
-        for k, r in reversed(self.plans.items()):
+        for k, r in self.plans.items():
             if k[0] == (shape_class if r.symbolic else structure) and not r.accepts(call) \
                     and not r.failed_guard(self.module, call):
-                return sz.instantiate(r.program, r.sizes_of(call)[0]) if r.symbolic else r.program
-        return None
+                return k, r
+        return None, None
 
     # ------------------------------------------------------------ sizes
 
@@ -263,8 +265,7 @@ class AutoRemat(WrappedModule):
                         most = max(most, int(limit[d]))
                     high[x] = max(high.get(x, 0), most)
         budget = self.options["budget"]
-        by_bytes = budget is not None and not (isinstance(budget, str) and budget.strip().lower() == "floor") \
-            and parse_budget(budget)[0] == "bytes"
+        by_bytes = budget is not None and not _is_floor(budget) and parse_budget(budget)[0] == "bytes"
         config = getattr(self.module, "config", None)
         limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         named = {x for shape in self.max_shape.values() for x in shape if x is not None}
@@ -287,9 +288,7 @@ class AutoRemat(WrappedModule):
         bad_low, bad_high = sz.check_sizes(program, low), sz.check_sizes(program, high)
         if not (bad_low or bad_high):
             return
-        got = dict(zip(call.names, call.tensors))
-        sizes, _ = sz.bind_sizes([(v.source or v.name, v.shape, list(got[v.source or v.name].shape))
-                                  for v in program.values if v.kind == "input"])
+        sizes, _ = sz.bind_inputs(program, {n: t.shape for n, t in zip(call.names, call.tensors)})
         program.header.sizes = [
             sz.format_range(sz.SizeRange(s, sizes[s] if bad_low else r.low, sizes[s] if bad_high else r.high))
             for s, r in sz.ranges(program).items()]
@@ -309,9 +308,7 @@ class AutoRemat(WrappedModule):
             if not r.symbolic or k[0] != shape_class or traced is None:
                 continue
             program = r.program
-            got = dict(zip(call.names, call.tensors))
-            sizes, why = sz.bind_sizes([(name, v.shape, list(got[name].shape))
-                                        for v, name in zip(r.exe.inputs, r.input_names)])
+            sizes, why = sz.bind_inputs(program, {n: t.shape for n, t in zip(call.names, call.tensors)})
             ranges = sz.ranges(program)
             if why or any(sizes[s] < ranges[s].low for s in ranges):
                 continue
@@ -324,8 +321,7 @@ class AutoRemat(WrappedModule):
             traced = msgspec.structs.replace(traced, header=msgspec.structs.replace(traced.header, sizes=wider))
             o = self.options
             budget = program.header.budget
-            if budget is not None and o["budget"] is not None and not (
-                    isinstance(o["budget"], str) and o["budget"].strip().lower() == "floor"):
+            if budget is not None and o["budget"] is not None and not _is_floor(o["budget"]):
                 # A fraction is of the unoptimized peak at the range's new high end.
                 nbytes = pipeline.budget_bytes(sz.instantiate(traced, high, refingerprint=False), o["budget"],
                                                o["scope"])
@@ -341,7 +337,7 @@ class AutoRemat(WrappedModule):
                 continue
             self._traced[id(runner)] = traced
             if self.cache_plans:  # the next process starts from the grown range
-                _store(cache_dir() / f"{type(self.module).__name__}-{self._key(traced)}.rir", grown)
+                _store(self._path(traced), grown)
             return runner
         return None
 
@@ -381,7 +377,7 @@ class AutoRemat(WrappedModule):
                 program = pipeline.trace(self.module, args, kwargs, **trace)
             path = cached = None
             if self.cache_plans:
-                path = cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
+                path = self._path(program)
                 cached = _load_cached(path, program, o)
             if cached is not None:
                 # The fingerprint matched the step just traced, so no retrace; verified again
@@ -411,8 +407,7 @@ class AutoRemat(WrappedModule):
                 print(f"remat-ir: {e}; planning this call's sizes alone", file=sys.stderr)
                 traced = None
                 program = pipeline.trace(self.module, args, kwargs, **trace)
-                path = (cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
-                        if self.cache_plans else None)
+                path = self._path(program) if self.cache_plans else None
                 cached = _load_cached(path, program, o) if path is not None else None
                 if cached is not None:
                     return PlanRunner(self.module, cached, self.loss_fn, check_model=False)
@@ -424,6 +419,10 @@ class AutoRemat(WrappedModule):
                 self._traced[id(runner)] = traced
             return runner
 
+    def _path(self, program) -> Path:
+        """The plan cache's file for `program` (as traced) and these options."""
+        return cache_dir() / f"{type(self.module).__name__}-{self._key(program)}.rir"
+
     def _key(self, program) -> str:
         from remat_ir.version import __version__
 
@@ -431,6 +430,10 @@ class AutoRemat(WrappedModule):
         facts = {"fingerprint": _class_fingerprint(program), "torch": torch.__version__,
                  "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _is_floor(budget) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == "floor"
 
 
 def _class_fingerprint(program) -> str:
@@ -485,7 +488,7 @@ def _cache_mismatch(cached, traced, options: dict) -> str | None:
         asked = f"asked budget {want!r} ({scope})"
         if have is None or have.scope != scope:
             return f"made {made}, {asked}"
-        if not (isinstance(want, str) and want.strip().lower() == "floor"):
+        if not _is_floor(want):
             kind, amount = parse_budget(want)
             if kind == "bytes" and have.bytes != amount:
                 return f"made {made}, {asked}: {amount} bytes"

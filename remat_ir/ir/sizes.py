@@ -30,7 +30,7 @@ from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import Program, Seq, Sym, Value
 
 __all__ = [
-    "SizeError", "SizeRange", "bind_sizes", "check_sizes", "condition_holds", "evaluate", "expr_symbols",
+    "SizeError", "SizeRange", "bind_inputs", "bind_sizes", "check_sizes", "condition_holds", "evaluate", "expr_symbols",
     "format_range", "instantiate", "is_symbolic", "parse_range", "python_code", "size_text",
 ]
 
@@ -314,6 +314,13 @@ def bind_sizes(shapes: list[tuple[str, list, list[int]]]) -> tuple[dict[str, int
         if have != g:
             return {}, f"input {name}: dimension {d} is {w} = {have} for these sizes, got {g}"
     return sizes, ""
+
+
+def bind_inputs(program: Program, shapes: dict[str, list[int]]) -> tuple[dict[str, int], str]:
+    """`bind_sizes` for a call of `program`: `shapes` maps each input's name
+    (its source, the forward's argument) to the call's shape of it."""
+    return bind_sizes([(v.source or v.name, v.shape, list(shapes[v.source or v.name]))
+                       for v in program.values if v.kind == "input"])
 
 
 # ------------------------------------------------------------- instantiation

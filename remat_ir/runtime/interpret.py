@@ -403,8 +403,7 @@ class PlanRunner:
                             f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
         sizes: dict[str, int] = {}
         if self.symbolic:
-            sizes, why = sz.bind_sizes([(name, v.shape, list(got[name].shape))
-                                        for v, name in zip(self.exe.inputs, self.input_names)])
+            sizes, why = sz.bind_inputs(self.program, {n: t.shape for n, t in got.items()})
             why = why or sz.check_sizes(self.program, sizes)
             if why:
                 return {}, why
