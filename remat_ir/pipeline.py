@@ -172,7 +172,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, not {optimizer!r}")
     if cost == COST_PROFILE:
-        from remat_ir.runtime.profile import ProfileError
+        from remat_ir.runtime.op_timing import ProfileError
 
         if fake:
             raise ProfileError("cost 'profile' times each op on real tensors, and fake tensors have no "
@@ -191,7 +191,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
                           for v in program.values if v.kind == "input")
         program.header.comment = [f"remat-ir plan: {name} ({shape})"] + program.header.comment
     if cost == COST_PROFILE:
-        from remat_ir.runtime.profile import profile_costs
+        from remat_ir.runtime.op_timing import profile_costs
 
         from remat_ir.trace.calls import autocast_off, split_call
 

@@ -9,7 +9,7 @@ import torch
 
 from remat_ir.cli.commands import compile_main, verify_main
 from remat_ir.ir.costs import overhead, overhead_text
-from remat_ir.runtime.profile import ProfileError, profile_costs
+from remat_ir.runtime.op_timing import ProfileError, profile_costs
 from remat_ir.optimize.family import Analysis
 from remat_ir.ir import COST_FLOPS, COST_PROFILE, FORWARD
 from remat_ir.runtime.load import load_model

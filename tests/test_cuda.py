@@ -86,7 +86,7 @@ def test_plan_made_on_cpu_is_the_cuda_trace():
     CUDA records for the built-in GPT-2."""
     from remat_ir.runtime.bind import first_difference
     from remat_ir.runtime.load import load_model
-    from remat_ir.trace.rewrites import is_neutral
+    from remat_ir.trace.device import is_neutral
     from remat_ir.trace.tracer import trace_module
 
     d = os.environ.get("REMAT_CUDA_PLANS")
@@ -140,7 +140,7 @@ def test_a_step_under_cuda_autocast_trains_as_eager():
 
 def test_profile_on_cuda_keeps_the_rng_stream():
     from remat_ir.runtime.load import load_model
-    from remat_ir.runtime.profile import profile_costs
+    from remat_ir.runtime.op_timing import profile_costs
     from remat_ir.trace.tracer import trace_module
 
     m = load_model("mlp", device="cuda")

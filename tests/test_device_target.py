@@ -14,7 +14,7 @@ from remat_ir.ir.ops import CPU_ONLY_OPS, cpu_only, device_problems
 from remat_ir.runtime.bind import PlanMismatch
 from remat_ir.runtime.interpret import wrap
 from remat_ir.runtime.load import load_model
-from remat_ir.trace.rewrites import DeviceError, device_neutral, is_neutral, retarget
+from remat_ir.trace.device import DeviceError, device_neutral, is_neutral, retarget
 from remat_ir.pipeline import trace_builtin
 from remat_ir.trace.tracer import trace_module
 
@@ -127,7 +127,7 @@ def test_sdpa_flash_for_cpu_is_refused_for_cuda():
     # The math backend it records instead gives SDPA's values.
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from remat_ir.trace.rewrites import _sdpa_math
+    from remat_ir.trace.device import _sdpa_math
 
     q = torch.randn(2, 2, 8, 8)
     m = torch.rand(8, 8) > 0.3
@@ -220,7 +220,7 @@ def test_recomputed_native_dropout_replays():
 
 
 def test_profile_keeps_the_rng_stream():
-    from remat_ir.runtime.profile import profile_costs
+    from remat_ir.runtime.op_timing import profile_costs
 
     m = load_model("mlp")
     p = trace_module(m.module, m.inputs, loss_fn=m.loss)

@@ -91,7 +91,7 @@ def test_small_run_from_plans(gpu_check, plans, tmp_path, capsys):
 def _assert_cuda_plans(d):
     from remat_ir.ir.files import load_plan
     from remat_ir.ir.ops import device_problems
-    from remat_ir.trace.rewrites import is_neutral
+    from remat_ir.trace.device import is_neutral
 
     files = sorted(Path(d).glob("*_cuda_*.rir"))
     assert files

@@ -70,13 +70,13 @@ RULES = (
     Rule("b", "only remat_ir.optimize imports numpy, scipy or cvxpy",
          applies=("remat_ir",), exempt=("remat_ir.optimize",), forbid=NUMERIC),
     Rule("c", "remat_ir.check.verify imports of remat_ir only remat_ir.ir, remat_ir.check.simulate, "
-              "remat_ir.check.typecheck and remat_ir.check.rewrites",
+              "remat_ir.check.typecheck and remat_ir.check.rewritten",
          applies=("remat_ir.check.verify",), forbid=("remat_ir",),
          allow=("remat_ir.ir", "remat_ir.check.simulate", "remat_ir.check.typecheck",
-                "remat_ir.check.rewrites")),
-    Rule("c", "remat_ir.check.rewrites imports of remat_ir only remat_ir.ir (it checks a rewritten "
+                "remat_ir.check.rewritten")),
+    Rule("c", "remat_ir.check.rewritten imports of remat_ir only remat_ir.ir (it checks a rewritten "
               "region without the code that rewrote it)",
-         applies=("remat_ir.check.rewrites",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
+         applies=("remat_ir.check.rewritten",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("f", "remat_ir.rewrite (graph rewrites: Program -> Program) imports of remat_ir only remat_ir.ir "
               "and itself, so the runtime can replay a plan's rewrites without the optimizer",
          applies=("remat_ir.rewrite",), forbid=("remat_ir",), allow=("remat_ir.ir", "remat_ir.rewrite")),
@@ -555,7 +555,7 @@ def test_every_runtime_module_is_a_root_of_the_runtime_closure(modules):
     (d,) = [c for c in CLOSURES if c.id == "d"]
     roots = set(closure_roots(modules, d))
     runtime = {m for m in modules if under(m, "remat_ir.runtime")}
-    assert {"remat_ir.runtime.fsdp", "remat_ir.runtime.profile", "remat_ir.runtime.load",
+    assert {"remat_ir.runtime.fsdp", "remat_ir.runtime.op_timing", "remat_ir.runtime.load",
             "remat_ir.runtime.bind", "remat_ir.ir.files"} <= roots
     assert runtime <= roots
 

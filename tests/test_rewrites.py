@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import remat_ir
-from remat_ir.check.rewrites import check_rewrites
+from remat_ir.check.rewritten import check_rewrites
 from remat_ir.check.verify import verify
 from remat_ir.ir import Ref
 from remat_ir.ir.fingerprint import fingerprint

@@ -196,7 +196,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
     from remat_ir.runtime.interpret import wrap
     from remat_ir.runtime.load import load_model
     from remat_ir.runtime.run import optimizer_state
-    from remat_ir.trace.rewrites import is_neutral
+    from remat_ir.trace.device import is_neutral
 
     dev = torch.device(args.device)
     info: dict = {}

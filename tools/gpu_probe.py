@@ -15,7 +15,7 @@ Each row is a yes/no question with the evidence:
   second kernel's result over the first's) gives the same bits as the two
   kernels run apart, for GPT-2's logits shape, each reduction, fp32 and
   bf16, with ignored targets.  The tracer fuses the pair only on a device
-  where this holds (`remat_ir.trace.rewrites.FUSIONS`).
+  where this holds (`remat_ir.trace.device.FUSIONS`).
 * one-byte dropout draw: `remat.dropout_keep` + `remat.dropout_scale` give
   the mask of eager's in-place `bernoulli_` chain (CPU's dropout).
 * SDPA: which kernel a trace on this device records for fp32 attention.

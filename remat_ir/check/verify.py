@@ -55,7 +55,7 @@ The rules (the runtime semantics the interpreter and autograd implement):
   every node, run on fake tensors of its declared operands, produces what
   its outputs declare (`remat_ir.check.typecheck`);
 * the graph rewrites the header lists compute what the regions they stand
-  for computed (`remat_ir.check.rewrites`: a chunked loss covers every row
+  for computed (`remat_ir.check.rewritten`: a chunked loss covers every row
   once and sums every chunk once; a BatchNorm split updates the running
   statistics once and normalizes purely);
 * with a budget in the header, the simulated peak (steady state and first
@@ -75,7 +75,7 @@ from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.check.simulate import MemoryReport, SimulationError, simulate
-from remat_ir.check.rewrites import check_rewrites
+from remat_ir.check.rewritten import check_rewrites
 from remat_ir.check.typecheck import typecheck
 
 MAX_ERRORS = 50

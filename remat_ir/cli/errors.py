@@ -35,7 +35,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
     from remat_ir.pipeline import BudgetError
     from remat_ir.runtime.bind import PlanMismatch
     from remat_ir.runtime.load import ModelError
-    from remat_ir.runtime.profile import ProfileError
+    from remat_ir.runtime.op_timing import ProfileError
     from remat_ir.trace.tracer import TraceError
 
     return (ModelError, TraceError, RirSyntaxError, PlanMismatch, ProfileError, BudgetError, OSError)

@@ -6,14 +6,14 @@ Two models, named by `Header.cost`:
   Cheap and device independent, but blind to memory-bound ops (a softmax or a
   dropout costs few FLOPs and real time).
 * ``profile``: `Node.time_us`, each op's median run time measured on the
-  target device by `remat_ir.runtime.profile`, which runs the program's ops one by one on
+  target device by `remat_ir.runtime.op_timing`, which runs the program's ops one by one on
   real tensors.  The optimizer then minimizes predicted step time.
 
 The overhead of a plan is the cost of its `recompute` instructions over the
 cost of every op of the step (forward and backward), in the plan's model.
 
 Profiling (measuring `time_us`) runs ops, so it lives in the runtime
-(`remat_ir.runtime.profile`); reading costs needs nothing but the IR.
+(`remat_ir.runtime.op_timing`); reading costs needs nothing but the IR.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ graph with its unoptimized schedule and names itself in `Header.rewrites`.
 `apply(program, names)` replays a list of them: the runtime replays a
 plan's list on a fresh trace of the model to check that the plan is this
 model's.  The optimizer picks them (`remat_ir.optimize.search`); the
-verifier checks their results without this code (`remat_ir.check.rewrites`).
+verifier checks their results without this code (`remat_ir.check.rewritten`).
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
 
     from remat_ir.trace.calls import CallError, call_from_names, constants_map, read_constant, rebuildable
-    from remat_ir.trace.rewrites import is_neutral
+    from remat_ir.trace.device import is_neutral
     from remat_ir.trace.tracer import TraceError, trace_module
 
     # A model built inside FakeTensorMode traces in its own mode.
@@ -294,7 +294,7 @@ class ModelGuard:
     at each training step, lists what differs since, in words ([] when
     nothing does).  The check compares the ids of the objects and a list of
     the flags with what was taken: about 55 us on gpt2-tiny, under 0.1% of
-    its training step (`python tools/bench_overhead.py --model gpt2-tiny`); only when they
+    its training step (`python tools/wrap_overhead.py --model gpt2-tiny`); only when they
     differ is the model walked by name to say what changed.  Objects are held weakly (a replaced parameter is not kept
     alive); one that dies marks the guard changed, so an id reused by a new
     object is not mistaken for the old one.  Pickled, a guard keeps the flags

@@ -32,7 +32,7 @@ from remat_ir.ir.schedule import default_schedule
 from remat_ir.ir.guards import GuardError, answers_of
 from remat_ir.trace.guards import StepValues
 from remat_ir.trace.symbolic import Symbolic, SymbolicError
-from remat_ir.trace.rewrites import NEUTRAL_NOTE, canonical_device, device_neutral, retarget, rewrite
+from remat_ir.trace.device import NEUTRAL_NOTE, canonical_device, device_neutral, retarget, rewrite
 
 
 class TraceError(ValueError):
@@ -64,7 +64,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     parameters and inputs are); the step is traced as it runs there, with
     the fusions proven there (none when not `fuse`: eager's own ops).  For
     CUDA without a CUDA build of torch the trace is device-neutral (see
-    `remat_ir.trace.rewrites.device_neutral`) and its header says so;
+    `remat_ir.trace.device.device_neutral`) and its header says so;
     `neutral=True` traces so on any build (to compare with such a plan).
 
     The forward (and the loss) is traced under `autocast` ("cpu:bfloat16":
@@ -564,6 +564,7 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
         if phase == BACKWARD:
             base = "d." + base
         name = unique(base)
+        n.meta["remat_node"] = name  # the program's name of this fx node (read by trace/joint.py)
         val = n.meta.get("val")
         outs: list[str] = []
         if isinstance(val, torch.Tensor):
@@ -601,6 +602,9 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
             mutates=[fx_value_name[(n.args[i], None)] for i in _mutated_indices(n)],
             flops=_flops(n, symbolic),
         ))
+
+    for (fxn, _), vname in fx_value_name.items():
+        fxn.meta["remat_value"] = vname  # the program's value of this fx node (read by trace/joint.py)
 
     # Outputs: forward results, then gradients.
     outputs: list[Output] = []

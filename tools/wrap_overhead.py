@@ -1,7 +1,7 @@
 """The plan's overhead: step time of a model run by its (unoptimized) plan vs
 eager PyTorch, and the per-step model guard's share of it.
 
-    python tools/bench_overhead.py [--model gpt2-mid] [--steps 11] [--guard-calls 2000]
+    python tools/wrap_overhead.py [--model gpt2-mid] [--steps 11] [--guard-calls 2000]
 
 Prints a table: eager and wrapped median step times and their ratio, timed
 as remat-bench times its methods (`remat_ir.cli.measure.time_rounds`: the

@@ -1,6 +1,7 @@
-"""Rewrites for the device a plan runs on.
+"""The device a plan runs on: the fusions proven there, the device-neutral
+trace, retargeting.
 
-Graph rewrites of the traced joint graph replace patterns of eager PyTorch's
+Fusions of the traced joint graph replace patterns of eager PyTorch's
 step by remat-ir's own ops (`remat_ir.ir.ops`), each giving eager's bits
 exactly but cheaper to keep or recompute; each is applied only on a device
 where it is proven bit-equal (`FUSIONS`: CPU only, so far).
@@ -150,7 +151,7 @@ def _sole_producer(node, consumer, producer, nargs: int):
     """`node`'s first operand when `node` calls `consumer` (no keyword
     arguments) and that operand is a call of `producer` with `nargs`
     positional arguments and no keywords that only `node` reads: the pairs
-    the rewrites below fuse.  Else None."""
+    the functions below fuse.  Else None."""
     if node.op != "call_function" or node.target is not consumer or node.kwargs or not node.args:
         return None
     p = node.args[0]
