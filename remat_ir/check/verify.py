@@ -181,9 +181,9 @@ def verify(program: Program, *, max_errors: int = MAX_ERRORS, graph: bool = True
     sizes; the report is the high end's.
 
     `graph=False` skips the type check of the graph section against PyTorch
-    (`remat_ir.check.typecheck`, the costly part: about 1.5 s for GPT-2
-    medium's 3400 ops, and about 1 s more the first time in a process, for
-    FakeTensorMode's imports): for callers that changed only the schedule of a
+    (`remat_ir.check.typecheck`, the costly part: it runs each op on fake
+    tensors, and the first time in a process imports FakeTensorMode's
+    machinery; its time on GPT-2 medium is in docs/09-benchmarks.md): for callers that changed only the schedule of a
     plan whose graph was checked already.  The graph's consistency (names, shapes
     against byte counts, views, outputs) is always checked."""
     if program.header.sizes:

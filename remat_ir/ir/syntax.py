@@ -97,8 +97,8 @@ Rules of the text:
   `grad VALUE = VALUE`.
 
 Reading: one hand-written reader (`remat_ir.ir.parser`) takes the text a line
-at a time, implements the whole grammar and words every error itself (4,000
-nodes and 8,000 instructions in well under a second).  `grammar/rir.lark` is
+at a time, implements the whole grammar and words every error itself (its time on a
+GPT-2 medium plan: docs/09-benchmarks.md).  `grammar/rir.lark` is
 the language's definition: the tests run lark on it as an oracle and check
 that lark and the reader accept the same texts and read them alike.
 

@@ -42,7 +42,7 @@ BUILTINS: dict[str, BuiltinSpec] = {
     "gpt2-mid": BuiltinSpec("gpt", 4, 128, "GPT 4 layers, d=256, 4 heads, vocab 8192, block 128",
                             gpt=GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=8192, block_size=128)),
     # Deep enough that checkpointing every block gets under half the activation
-    # peak (the LM head and loss, ~50 MiB, dominate gpt2-mid's), so a 0.5 budget
+    # peak (the LM head and loss dominate gpt2-mid's), so a 0.5 budget
     # is feasible and comparable with torch.utils.checkpoint.
     "gpt2-mid8": BuiltinSpec("gpt", 4, 128, "GPT 8 layers, d=256, 4 heads, vocab 8192, block 128",
                              gpt=GPTConfig(n_layer=8, n_head=4, n_embd=256, vocab_size=8192, block_size=128)),

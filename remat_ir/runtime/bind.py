@@ -293,8 +293,8 @@ class ModelGuard:
     `ModelGuard(model)` is taken when a plan is made or bound; `changes(model)`,
     at each training step, lists what differs since, in words ([] when
     nothing does).  The check compares the ids of the objects and a list of
-    the flags with what was taken: about 55 us on gpt2-tiny, under 0.1% of
-    its training step (`python tools/wrap_overhead.py --model gpt2-tiny`); only when they
+    the flags with what was taken (its cost against a training step, with
+    the command that measures it: docs/05-wrap.md); only when they
     differ is the model walked by name to say what changed.  Objects are held weakly (a replaced parameter is not kept
     alive); one that dies marks the guard changed, so an id reused by a new
     object is not mistaken for the old one.  Pickled, a guard keeps the flags

@@ -53,10 +53,9 @@ parameters with), for each unit in its order:
 
 `predict_step_peak` predicts a step's peak on one rank from these rules:
 the root's step traced with each unit opaque, each unit's plan in its
-place, FSDP2's storages around them, walked by the simulator.  On
-gpt2-tiny (two ranks, blocks at 0.6) it predicts 5,082,116 B above the
-state where the tracker measures 5,063,688 B on each rank (0.4% over; the
-18,428 B are not yet accounted for).
+place, FSDP2's storages around them, walked by the simulator.  How close
+it comes on gpt2-tiny (two ranks, blocks at 0.6), and the command that
+measures it: docs/06-distributed.md.
 """
 from __future__ import annotations
 

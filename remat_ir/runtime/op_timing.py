@@ -34,7 +34,8 @@ def profile_costs(program: Program, module, inputs, *, repeats: int = 5, warmup:
     between runs), and the model's own buffers are never updated.  The RNG
     state is forked, so profiling draws nothing from the model's stream.  On
     CUDA each op is timed with CUDA events, synchronized once at the end: a
-    host timer around a device sync would add its own 10-20 us to every op.
+    host timer around a device sync would add the sync's own latency to
+    every op.
     """
     import torch
 

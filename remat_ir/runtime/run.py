@@ -29,8 +29,7 @@ from remat_ir.check.simulate import MemoryReport, optimizer_state_bytes, simulat
 # How far a plan's gradients may be from eager's and still match: the
 # largest |plan - eager| of a tensor over the largest |eager| of that tensor.
 # Reordering float32 sums (a fused or split reduction) moves a gradient by
-# about float32's own rounding, under 2e-6 on the built-in models (float32
-# against float64); 1e-4 leaves room for longer reductions and still fails a
+# about float32's own rounding; 1e-4 leaves room for longer reductions and still fails a
 # wrong op, a wrong scale or a dropped term, which are off by far more.
 GRAD_RTOL = 1e-4
 # Gradients of 16 bits or fewer (float16, bfloat16) round each sum to ~1e-3.
