@@ -2,14 +2,36 @@
 the targets, as a markdown table.
 
     .venv/bin/python tools/optimize_times.py [--only gpt2-tiny,mlp] [--repeat 2]
+    .venv/bin/python tools/optimize_times.py --cases gpt2 --solves              # floors and budgets, solves by kind
+    .venv/bin/python tools/optimize_times.py --cases flat --solves              # the flat search's twelve budgets
+    .venv/bin/python tools/optimize_times.py --cases flat --solves --set budget_rows_per_round=1000000 --set rows_apart=-1
+    .venv/bin/python tools/optimize_times.py --cases flat --budgets floor --solves --set floor_rows_per_round=16
 
 Each model is traced once (fake tensors where it is large); each row then
-times a fresh planner (the graph's analysis) and `optimize`, cold, and prints the plan's extra
-compute, the search mode, and a short hash of the plan text.  With
-`--repeat N` every row is solved N times and the hashes must agree: a plan
-depends on the program, the budget and the options only (every MILP stops
-at a node limit or its gap, never at a time).  Budgets are fractions of the
-unoptimized activation peak.
+times `remat_ir.optimize.search.optimize` cold (a fresh problem and memo:
+the graph's analysis counts, as a CLI run does it too), and prints the
+plan's extra compute, the search mode, and a short hash of the plan text.
+A budget `floor` times `search.floor` instead (its column shows the floor
+as a share of the unoptimized peak).  With `--repeat N` every row is solved
+N times and the hashes must agree: a plan depends on the program, the budget
+and the settings only (every MILP stops at a node limit or its gap, never
+at a time).  Budgets are fractions of the unoptimized peak in `--scope`.
+
+Case sets (`--cases`): `targets` (the default: the models and budgets the
+optimizer is held to, and the gpt2-tiny `--pareto` sweep), `gpt2`
+(gpt2-small and gpt2-medium 4 x 512, fake: the floor and 0.7/0.5/0.3) and
+`flat` (twelve budgets of graphs the flat search plans whole: gpt2-tiny,
+the 2-layer transformers GPT-2, the 3-layer transformers Llama).  `--budgets`
+replaces every case's budgets.
+
+Settings: `--effort` and `--set FIELD=VALUE` (repeatable) make the
+`remat_ir.optimize.problem.Settings` of every solve (`Settings.of(effort,
+FIELD=VALUE, ...)`: `rows_apart=-1`, `option_nodes=none`, `solver=SCIP`,
+`time_limit=60`); the line above the table names the ones that differ from
+the effort's.  `--solves` adds two columns from each result's solve
+records: the solves by kind and method (how many, how many proven optimal,
+their seconds), and the flat search's lazy rounds with the memory rows of
+its last one.  A total of the rows' times ends the table.
 """
 from __future__ import annotations
 
@@ -17,16 +39,22 @@ import argparse
 import hashlib
 import sys
 import time
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import Callable, NamedTuple
 
-from remat_ir.ir.printer import format_program
-from remat_ir.optimize.search import Planner, optimize, resolve_budget
+from remat_ir.ir.printer import format_program, human_bytes
+from remat_ir.ir.types import SCOPES
+from remat_ir.optimize import search
+from remat_ir.optimize.milp import FLAT
 from remat_ir.optimize.pareto import sweep
+from remat_ir.optimize.problem import EFFORTS, Problem, Settings
 from remat_ir.pipeline import trace
 from remat_ir.runtime.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCOPE = "activations"
+FLOOR = "floor"  # a budget that asks for the floor
 
 
 def builtin(name, **kw):
@@ -105,64 +133,224 @@ def llama_70b_shapes(layers: int):
     return make
 
 
-# (label, program maker, budgets, target seconds per budget)
+class Case(NamedTuple):
+    """One model of a table and the budgets it is timed at."""
+
+    label: str
+    make: Callable  # () -> the traced Program
+    budgets: tuple  # fractions of the unoptimized peak, or FLOOR
+    target: float | None = None  # seconds per budget; None: no target
+    # The module whose `optimize(program, budget, settings, scope=)` and
+    # `floor(program, settings, scope=)` solve the rows: `search` (None), or
+    # another strategy module of the same shape (`remat_ir.optimize.ladder`).
+    strategies: object = None
+
+
+# The models and budgets the optimizer is held to (a plain 4-tuple is a Case too).
 CASES = [
-    ("gpt2-tiny", builtin("gpt2-tiny", fake=True), (0.7, 0.5), 2.0),
-    ("mlp", builtin("mlp"), (0.8,), 2.0),
-    ("transformers GPT-2, 2 layers", model_file("examples/hf_gpt2.py"), (0.7,), 2.0),
-    ("transformers Llama, 3 layers", llama3, (0.7,), 2.0),
-    ("gpt2-mid8", builtin("gpt2-mid8", fake=True), (0.5,), 5.0),
-    ("GPT-2 medium 4x512 (fake)", builtin("gpt2-medium", fake=True, batch=4, seq=512), (0.5, 0.3), 8.0),
+    Case("gpt2-tiny", builtin("gpt2-tiny", fake=True), (0.7, 0.5), 2.0),
+    Case("mlp", builtin("mlp"), (0.8,), 2.0),
+    Case("transformers GPT-2, 2 layers", model_file("examples/hf_gpt2.py"), (0.7,), 2.0),
+    Case("transformers Llama, 3 layers", llama3, (0.7,), 2.0),
+    Case("gpt2-mid8", builtin("gpt2-mid8", fake=True), (0.5,), 5.0),
+    Case("GPT-2 medium 4x512 (fake)", builtin("gpt2-medium", fake=True, batch=4, seq=512), (0.5, 0.3), 8.0),
     # Encoder-decoders and a deep model (the optimizer issue's targets).
-    ("T5 3+3 (fake)", encoder_decoder("t5", 3), (0.7, 0.5, 0.3), 10.0),
-    ("BART 3+3 (fake)", encoder_decoder("bart", 3), (0.7, 0.5, 0.3), 10.0),
-    ("T5 12+12 (fake)", encoder_decoder("t5", 12), (0.5,), 10.0),
-    ("BART 12+12 (fake)", encoder_decoder("bart", 12), (0.5,), 10.0),
-    ("Llama-2-70B shapes, 8 layers (fake)", llama_70b_shapes(8), (0.3,), 15.0),
-    ("Llama-2-70B shapes, 32 layers (fake)", llama_70b_shapes(32), (0.3,), 15.0),
-    ("Llama-2-70B shapes, 80 layers (fake)", llama_70b_shapes(80), (0.3,), 15.0),
+    Case("T5 3+3 (fake)", encoder_decoder("t5", 3), (0.7, 0.5, 0.3), 10.0),
+    Case("BART 3+3 (fake)", encoder_decoder("bart", 3), (0.7, 0.5, 0.3), 10.0),
+    Case("T5 12+12 (fake)", encoder_decoder("t5", 12), (0.5,), 10.0),
+    Case("BART 12+12 (fake)", encoder_decoder("bart", 12), (0.5,), 10.0),
+    Case("Llama-2-70B shapes, 8 layers (fake)", llama_70b_shapes(8), (0.3,), 15.0),
+    Case("Llama-2-70B shapes, 32 layers (fake)", llama_70b_shapes(32), (0.3,), 15.0),
+    Case("Llama-2-70B shapes, 80 layers (fake)", llama_70b_shapes(80), (0.3,), 15.0),
 ]
+
+# GPT-2 small and medium at batch 4 x 512 under fake tensors: the floor and three budgets.
+GPT2_CASES = [
+    Case("gpt2-small 4x512 (fake)", builtin("gpt2-small", fake=True, batch=4, seq=512), (FLOOR, 0.7, 0.5, 0.3)),
+    Case("gpt2-medium 4x512 (fake)", builtin("gpt2-medium", fake=True, batch=4, seq=512), (FLOOR, 0.7, 0.5, 0.3)),
+]
+
+# Graphs of at most `Settings.flat_max_decisions` decisions, planned whole by
+# the flat search: twelve budgets for its lazy-row settings.
+FLAT_CASES = [
+    Case("gpt2-tiny", builtin("gpt2-tiny", fake=True), (0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75)),
+    Case("transformers GPT-2, 2 layers", model_file("examples/hf_gpt2.py"), (0.5, 0.6, 0.7)),
+    Case("transformers Llama, 3 layers", llama3, (0.6, 0.7)),
+]
+
+CASE_SETS = {"targets": CASES, "gpt2": GPT2_CASES, "flat": FLAT_CASES}
+
+
+# ---------------------------------------------------------------- settings
+
+
+def _value(text: str):
+    """A setting's value as typed: none, true/false, an int, a float, else the text."""
+    low = text.lower()
+    if low == "none":
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def overrides(pairs: list[str]) -> dict:
+    """`FIELD=VALUE` strings (`--set`) as Settings overrides."""
+    out = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"--set {pair}: expected FIELD=VALUE (fields: "
+                             f"{', '.join(f.name for f in fields(Settings))})")
+        out[name.strip()] = _value(value.strip())
+    return out
+
+
+def settings_of(effort: str, pairs: list[str]) -> Settings:
+    """The settings of `effort` with the `--set` overrides.  `Settings.of`
+    leaves a None override at the effort's default, so a None (`option_nodes=none`:
+    solve to the gap) is set on its result."""
+    given = overrides(pairs)
+    try:
+        settings = Settings.of(effort, **{k: v for k, v in given.items() if v is not None})
+        nones = {k: None for k, v in given.items() if v is None}
+        return search.settings_of(replace(settings, **nones) if nones else settings)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--set: {e}") from None
+
+
+def changed(settings: Settings, effort: str) -> list[str]:
+    """The settings that differ from the effort's, as FIELD=VALUE."""
+    base = EFFORTS[effort]
+    return [f"{f.name}={getattr(settings, f.name)!r}" for f in fields(Settings)
+            if getattr(settings, f.name) != getattr(base, f.name)]
+
+
+# ---------------------------------------------------------------- columns
 
 
 def digest(program) -> str:
     return hashlib.sha256(format_program(program).encode()).hexdigest()[:10]
 
 
+def by_kind(solves) -> str:
+    """The solves by kind and method: how many, how many proven optimal, their seconds."""
+    groups: dict[tuple, list] = {}
+    for s in solves:
+        g = groups.setdefault((s.kind, s.method), [0, 0, 0.0])
+        g[0] += 1
+        g[1] += s.status == "optimal"
+        g[2] += s.seconds
+    return ", ".join(f"{n} {kind}{'' if method == 'MILP' else ' ' + method} ({proven} proven, {sec:.1f} s)"
+                     for (kind, method), (n, proven, sec) in groups.items()) or "-"
+
+
+def lazy_rows(solves) -> str:
+    """The flat search's rounds (each adds memory rows) and the rows of its last."""
+    flat = [s for s in solves if s.kind == FLAT]
+    if not flat:
+        return "-"
+    last = flat[-1].rows
+    return f"{len(flat)} rounds, {'every' if last is None else last} rows"
+
+
+def solve(case: Case, program, budget: int | None, settings: Settings, scope: str):
+    strategies = case.strategies or search
+    if budget is None:
+        return strategies.floor(program, settings, scope=scope)
+    return strategies.optimize(program, budget, settings, scope=scope)
+
+
+# ---------------------------------------------------------------- the table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="targets", choices=list(CASE_SETS), help="the set of models and budgets")
     ap.add_argument("--only", default="", help="comma-separated labels (prefixes) to run")
+    ap.add_argument("--budgets", default="", help="comma-separated fractions (or floor) for every case")
+    ap.add_argument("--scope", default=SCOPE, choices=SCOPES)
+    ap.add_argument("--effort", default="fast", choices=list(EFFORTS))
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an optimizer setting (remat_ir.optimize.problem.Settings), repeatable")
+    ap.add_argument("--solves", action="store_true", help="add the solves by kind and the flat search's rounds")
     ap.add_argument("--repeat", type=int, default=1, help="solves per row (the plan hashes must agree)")
-    ap.add_argument("--no-pareto", action="store_true", help="skip the gpt2-tiny --pareto row")
+    ap.add_argument("--no-pareto", action="store_true", help="skip the gpt2-tiny --pareto row (targets)")
     args = ap.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
-    print("| model | decisions | budget | optimize time | target | extra compute | search | plan |")
-    print("|---|---|---|---|---|---|---|---|")
-    ok = True
-    for label, make, fracs, target in CASES:
-        if only and not any(label.startswith(o) for o in only):
+    settings = settings_of(args.effort, args.settings)
+    given = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    budgets = tuple(b if b == FLOOR else float(b) for b in given)
+
+    print(f"{args.cases}, scope {args.scope}, effort {args.effort}"
+          + "".join(f", {c}" for c in changed(settings, args.effort)))
+    cols = ["model", "decisions", "budget", "optimize time", "target", "extra compute", "search", "plan"]
+    if args.solves:
+        cols += ["solves", "flat rounds"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    ok, total, rows = True, 0.0, 0
+    for case in CASE_SETS[args.cases]:
+        case = Case(*case)
+        if only and not any(case.label.startswith(o) for o in only):
             continue
-        program = make()
-        for frac in fracs:
-            budget = resolve_budget(program, frac, SCOPE)
-            times, hashes = [], set()
+        program = case.make()
+        decisions = len(Problem.of(program, args.scope).decisions)
+        top = search.unoptimized_peak(program, args.scope)
+        for frac in budgets or case.budgets:
+            budget = None if frac == FLOOR else search.resolve_budget(program, frac, args.scope)
+            times, hashes, r, refused = [], set(), None, None
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
-                pl = Planner(program, SCOPE)  # the graph's analysis counts: a CLI run does it too
-                r = optimize(program, budget, SCOPE, planner=pl)
+                try:
+                    r = solve(case, program, budget, settings, args.scope)
+                except search.Infeasible as e:
+                    refused = e
                 times.append(time.perf_counter() - t0)
-                hashes.add(digest(r.program))
+                if r is not None:
+                    hashes.add(digest(r.program))
             t = min(times)
-            same = "" if len(hashes) == 1 else f" ({len(hashes)} different plans!)"
-            ok = ok and len(hashes) == 1
-            print(f"| {label} | {len(pl.all_dec)} | {frac} | {t:.1f} s{' ' if t <= target else ' (over)'} "
-                  f"| {target:g} s | {r.overhead:.3%} | {r.mode} | {next(iter(hashes))}{same} |", flush=True)
-    if not args.no_pareto and (not only or any("gpt2-tiny".startswith(o) or o == "pareto" for o in only)):
+            total += t
+            rows += 1
+            same = len(hashes) <= 1 and (refused is None or r is None)
+            ok = ok and same
+            over = "" if case.target is None or t <= case.target else " (over)"
+            target = "-" if case.target is None else f"{case.target:g} s"
+            if r is None:
+                extra, mode, plan = f"infeasible (floor {human_bytes(refused.floor_bytes)})", "-", "-"
+            else:
+                extra = f"{r.overhead:.3%}"
+                mode = r.mode + "".join(f", {w}" for w in r.program.header.rewrites)
+                plan = next(iter(hashes)) + ("" if same else f" ({len(hashes)} different plans!)")
+            shown = frac if budget is not None else (f"floor ({r.predicted_peak / top:.1%})" if r else "floor")
+            cells = [case.label, str(decisions), str(shown), f"{t:.1f} s{over}", target, extra, mode, plan]
+            if args.solves:
+                cells += [by_kind(r.solves), lazy_rows(r.solves)] if r else ["-", "-"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+    pareto = args.cases == "targets" and not args.no_pareto and not budgets and \
+        (not only or any("gpt2-tiny".startswith(o) or o == "pareto" for o in only))
+    if pareto:
+        # The sweep takes an effort, a solver and a time limit only.
+        other = [c for c in changed(settings, args.effort) if c.split("=")[0] not in ("solver", "time_limit")]
         program = builtin("gpt2-tiny", fake=True)()
         t0 = time.perf_counter()
-        rows = sweep(program, SCOPE, points=8)
+        points = sweep(program, args.scope, points=8, effort=args.effort, solver=settings.solver,
+                       time_limit=settings.time_limit)
         t = time.perf_counter() - t0
-        print(f"| gpt2-tiny --pareto, {len(rows)} points | - | whole sweep | {t:.1f} s"
-              f"{'' if t <= 10 else ' (over)'} | 10 s | - | - | - |")
+        total += t
+        rows += 1
+        cells = [f"gpt2-tiny --pareto, {len(points)} points", "-", "whole sweep",
+                 f"{t:.1f} s{'' if t <= 10 else ' (over)'}", "10 s", "-",
+                 "-" if not other else "without " + ", ".join(other), "-"]
+        if args.solves:
+            cells += ["-", "-"]
+        print("| " + " | ".join(cells) + " |")
+    print(f"\ntotal {total:.1f} s ({rows} rows)")
     return 0 if ok else 1
 
 
