@@ -1,0 +1,283 @@
+"""A torch.compile backend whose recomputation decision is a plan.
+
+    model = torch.compile(model, backend=remat_ir.backend(budget=0.5, inner="aot_eager"))
+
+Dynamo captures each region of the model's code, AOTAutograd traces the
+region's forward and backward into one joint graph and asks a partitioner
+which forward values backward reads and which it recomputes.  This backend is
+that partitioner: it reads the joint graph as an IR program
+(`remat_ir.trace.joint`), plans it to the budget (`remat_ir.pipeline.fit`,
+verified), and builds the forward and backward graphs the plan schedules, in
+its instruction order, so the generated code frees what the plan frees.  The
+inner compiler ("aot_eager" or "inductor") compiles the two graphs.
+
+Each compiled region gets its own plan (`Backend.plans`, and `.rir` files in
+`plan_dir`); a fraction budget is a fraction of that region's unoptimized
+activation peak.  A random op (dropout) the plan recomputes in backward
+replays the RNG state forward drew it with (aot_eager), as the interpreter
+does; with inductor, whose kernels draw from their own generator, random ops
+are not recomputed (a plan that would is refused with a message).
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+import os
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from remat_ir.ir import RECOMPUTE, TANGENT, Program, node_inputs
+from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
+from remat_ir.trace.joint import joint_program, primals_of
+
+INNERS = ("aot_eager", "inductor")
+
+
+class BackendError(ValueError):
+    """The backend cannot plan a region (the message says why)."""
+
+
+def backend(budget=None, *, inner: str = "aot_eager", scope: str = DEFAULT_SCOPE,
+            plan_dir: str | os.PathLike | None = None, model_name: str = "") -> "Backend":
+    """A `torch.compile` backend that plans each compiled region's
+    recomputation to `budget` (a fraction of the region's unoptimized peak in
+    `scope`, such as 0.5 or "0.5"; bytes, "1.5GiB"; None: plan nothing, the
+    step as autograd runs it).  `inner` compiles the planned graphs:
+    "aot_eager" (eager kernels, gradients bitwise equal to eager's) or
+    "inductor".  The plans are `Backend.plans` (one per compiled region, in
+    compile order) and, with `plan_dir`, `.rir` files there."""
+    return Backend(budget, inner=inner, scope=scope, plan_dir=plan_dir, model_name=model_name)
+
+
+class Backend:
+    """See `backend`."""
+
+    def __init__(self, budget=None, *, inner: str = "aot_eager", scope: str = DEFAULT_SCOPE,
+                 plan_dir=None, model_name: str = ""):
+        from remat_ir.pipeline import check_budget
+
+        if inner not in INNERS:
+            raise ValueError(f"inner must be one of {', '.join(INNERS)}, not {inner!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+        check_budget(budget)
+        self.budget = budget
+        self.inner = inner
+        self.scope = scope
+        self.plan_dir = os.fspath(plan_dir) if plan_dir is not None else None
+        self.model_name = model_name
+        self.plans: list[Program] = []
+        self.paths: list[str] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        primals = primals_of(gm, example_inputs)
+        if self.inner == "aot_eager":
+            from torch._dynamo.backends.debugging import boxed_nop
+            from torch._functorch.aot_autograd import aot_module_simplified
+
+            def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+                return self.partition(joint, primals, num_fwd_outputs, replay=True)
+
+            return aot_module_simplified(gm, example_inputs, fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                         partition_fn=partition, keep_inference_input_mutations=True)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs,
+                          config_patches={"custom_partitioner_fn": _inductor_partitioner(self, primals)})
+
+    # ------------------------------------------------------------ the partition
+
+    def plan(self, joint: fx.GraphModule, primals, num_fwd_outputs: int) -> Program:
+        """The verified plan of one region's joint graph (marks the graph's
+        nodes with their program names)."""
+        from remat_ir.optimize.search import Infeasible
+        from remat_ir.pipeline import fit
+
+        region = len(self.plans)
+        name = f"{self.model_name or 'torch.compile'} region {region}"
+        program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+        try:
+            # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
+            plan = fit(program, self.budget, scope=self.scope, exact=True)
+        except Infeasible as e:
+            raise BackendError(
+                f"{name}: budget {self.budget!r} is below the floor of this region, "
+                f"{e.floor_bytes} bytes ({e.floor_bytes / 2**20:.2f} MiB) in scope {self.scope} "
+                f"(a fraction budget is per compiled region): {e}") from e
+        if plan.header.rewrites:
+            raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
+                               f"the plan would rewrite the graph ({', '.join(plan.header.rewrites)}), which "
+                               "this backend does not run")
+        plan.header.comment.append(f"torch.compile backend, inner compiler {self.inner}")
+        self.plans.append(plan)
+        if self.plan_dir is not None:
+            from remat_ir.ir.files import save_plan
+
+            os.makedirs(self.plan_dir, exist_ok=True)
+            path = os.path.join(self.plan_dir, f"region{region}.rir")
+            save_plan(plan, path)
+            self.paths.append(path)
+        return plan
+
+    def partition(self, joint: fx.GraphModule, primals, num_fwd_outputs: int, *, replay: bool):
+        plan = self.plan(joint, primals, num_fwd_outputs)
+        return build_modules(joint, plan, num_fwd_outputs, replay=replay)
+
+
+def _inductor_partitioner(owner: Backend, primals):
+    """Inductor's `custom_partitioner_fn`: the plan's partition of the joint
+    graph (which inductor's joint-graph passes have run on)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class Partitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return owner.partition(gm, primals, kwargs["num_fwd_outputs"], replay=False)
+
+        def uuid(self):
+            return None  # never cached: each compile plans
+
+    return Partitioner()
+
+
+# ----------------------------------------------------------- graphs from a plan
+
+
+def saved_values(plan: Program) -> list[str]:
+    """The values backward reads that it does not compute itself: what
+    forward keeps for it (recomputed values are computed in backward)."""
+    values = plan.value_map()
+    nodes = plan.node_map()
+    produced = {v.name for v in plan.values if v.kind == TANGENT}
+    saved: dict[str, None] = {}
+    for ins in plan.backward:
+        if ins.kind == "free":
+            continue
+        node = nodes[ins.target]
+        for r in node_inputs(node):
+            if r not in produced and values[r].kind != TANGENT:
+                saved.setdefault(r, None)
+        produced.update(o for o in node.outputs if o)
+    return list(saved)
+
+
+def _rng_state() -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _draw(state: torch.Tensor, op, *args, **kwargs):
+    """`op(*args, **kwargs)`: a random op in forward, which passes along the
+    state it draws from so that backward can replay it."""
+    return op(*args, **kwargs)
+
+
+def _replay(state: torch.Tensor, op, *args, **kwargs):
+    """`op(*args, **kwargs)` drawn from the RNG state `state`, the global
+    generator left as it was (a random op recomputed in backward)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        return op(*args, **kwargs)
+
+
+def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *, replay: bool):
+    """AOTAutograd's (forward, backward) graph modules for `plan`: forward
+    computes the plan's forward instructions in order and returns the
+    forward outputs and what backward reads; backward computes and
+    recomputes the plan's backward instructions in order."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    graph = joint.graph
+    by_node = {n.meta["remat_node"]: n for n in graph.nodes if "remat_node" in n.meta}
+    by_value = {n.meta["remat_value"]: n for n in graph.nodes if "remat_value" in n.meta}
+    pnodes = plan.node_map()
+    recomputed = [ins.target for ins in plan.backward if ins.kind == RECOMPUTE]
+    random = [t for t in recomputed if pnodes[t].random]
+    if random and not replay:
+        raise BackendError(f"the plan recomputes random ops ({', '.join(random)}); with inductor a "
+                           "recomputed random op would draw other numbers: raise the budget")
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    saved = [by_value[v] for v in saved_values(plan)]
+    # The RNG state each recomputed random op was drawn with, saved for backward.
+    states: dict[str, str] = {}
+    for t in random:
+        fxn = by_node[t]
+        with graph.inserting_before(fxn):
+            s = graph.call_function(_rng_state, ())
+        s.meta["val"] = torch.get_rng_state()
+        s.meta["partitioner_tag"] = "is_forward"
+        states[fxn.name] = s.name
+        saved.append(s)
+        # Forward draws as before (the state is only passed along); backward replays it.
+        fxn.args = (s, fxn.target) + tuple(fxn.args)
+        fxn.target = _draw
+    saved.sort(key=lambda n: position.get(n, -1))
+    fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs)
+    for n in bw.graph.nodes:
+        if n.target is _draw:
+            n.target = _replay
+
+    fwd_rank: dict[str, float] = {}
+    for i, ins in enumerate(ins for ins in plan.forward if ins.kind != "free"):
+        fwd_rank[by_node[ins.target].name] = i
+    for fx_name, s in states.items():
+        fwd_rank[s] = fwd_rank[fx_name] - 0.5
+    bwd_rank: dict[str, float] = {}
+    for i, ins in enumerate(ins for ins in plan.backward if ins.kind != "free"):
+        bwd_rank[by_node[ins.target].name] = i
+    _reorder(fw.graph, fwd_rank)
+    _reorder(bw.graph, bwd_rank)
+    fw.recompile()
+    bw.recompile()
+    return fw, bw
+
+
+def _reorder(graph: fx.Graph, rank: dict[str, float]) -> None:
+    """Put `graph`'s nodes in the order of `rank` (node name -> position),
+    as far as their dependencies allow; a node without a rank (a getitem, a
+    node the program does not name) goes right before its first user."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    if not nodes:
+        return
+    pos = {n: i for i, n in enumerate(nodes)}
+    prio: dict[fx.Node, float] = {}
+    for n in reversed(nodes):
+        if n.name in rank:
+            prio[n] = rank[n.name]
+        else:
+            users = [prio[u] for u in n.users if u in prio]
+            prio[n] = min(users) - 1e-3 if users else float("inf")
+    # Getitems follow their producer.
+    for n in nodes:
+        if n.target is operator.getitem and n.args[0] in prio:
+            prio[n] = prio[n.args[0]] + 1e-6
+    deps = {n: [a for a in n.all_input_nodes if a in pos] for n in nodes}
+    waiting = {n: len(set(d)) for n, d in deps.items()}
+    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
+    for n, d in deps.items():
+        for a in set(d):
+            users[a].append(n)
+    ready = [(prio[n], pos[n], n.name) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    by_name = {n.name: n for n in nodes}
+    order = []
+    while ready:
+        _, _, name = heapq.heappop(ready)
+        n = by_name[name]
+        order.append(n)
+        for u in users[n]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (prio[u], pos[u], u.name))
+    assert len(order) == len(nodes), "the graph has a cycle"
+    cursor = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = cursor[-1] if cursor else None
+    for n in order:
+        if anchor is None:
+            first = next(iter(graph.nodes))
+            if first is not n:
+                first.prepend(n)
+        else:
+            anchor.append(n)
+        anchor = n
+    graph.lint()

@@ -1,0 +1,247 @@
+"""AOTAutograd's joint graph to an IR program.
+
+`torch.compile` hands a compiled region to AOTAutograd, which traces the
+region's forward and backward into one joint aten graph: its placeholders are
+the region's inputs (`primals_*`: the parameters and buffers dynamo lifted,
+and the tensors the region was called with) and the tangents of its
+differentiable outputs (`tangents_*`); its output is a flat list, the
+forward outputs (`num_fwd_outputs` of them) and then one gradient per primal
+(None where there is none).
+
+`joint_program` reads that graph as `remat_ir.trace.tracer._to_program` reads
+the graph of a traced step (a copy of the joint graph with its placeholders
+put in the tracer's order and its output split into results and gradients),
+so the program has the names, sizes, phases and schedule a traced step has.
+It marks each fx node of the joint graph with the program's names of its
+node and value (`meta["remat_node"]`, `meta["remat_value"]`), which is how
+the backend (`remat_ir.torch_compile`) maps a plan back onto the graph.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from remat_ir.ir import Program
+from remat_ir.ir.fingerprint import fingerprint
+from remat_ir.trace.tracer import TraceError, _to_program
+
+PARAM = "param"
+BUFFER = "buffer"
+INPUT = "input"
+
+
+@dataclass
+class Primal:
+    """What one primal placeholder of the joint graph is: a parameter, a
+    buffer or an input of the compiled region, its name (a module path for
+    parameters and buffers, the argument's name for inputs) and the example
+    tensor (real or fake) it was compiled for."""
+
+    kind: str
+    name: str
+    example: torch.Tensor
+
+
+_TOKEN = re.compile(r"\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[(\d+)\]|\.?([A-Za-z_]\w*)")
+_CONTAINERS = {"_modules", "_parameters", "_buffers"}
+
+
+def path_of(source: str) -> list[str]:
+    """The parts of a dynamo source name, without its root and the
+    nn.Module containers: "L['self']._modules['h']._modules['0']._parameters['weight']"
+    and "L['self'].h[0].weight" both give ["self", "h", "0", "weight"]."""
+    parts = []
+    for m in _TOKEN.finditer(source):
+        tok = next(g for g in m.groups() if g is not None)
+        parts.append(tok)
+    if parts and parts[0] in ("L", "G"):
+        parts = parts[1:]
+    return [p for p in parts if p not in _CONTAINERS]
+
+
+def clean_name(parts: list[str], fallback: str) -> str:
+    """A `.rir` name from path parts (letters, digits, `_`, joined by `.`)."""
+    out = [re.sub(r"\W", "_", p) for p in parts if p]
+    if not out:
+        return fallback
+    if not re.match(r"[A-Za-z_]", out[0]):
+        out[0] = "_" + out[0]
+    return ".".join(out)
+
+
+def primals_of(gm: fx.GraphModule, example_inputs) -> list[Primal]:
+    """The primals AOTAutograd will give the joint graph of dynamo's graph
+    `gm` (what `aot_module_simplified` flattens: `gm`'s own parameters and
+    buffers, then its placeholders), each named after its dynamo source."""
+    out: list[Primal] = []
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        out.append(Primal(PARAM, clean_name(name.split("."), name), p))
+    for name, b in gm.named_buffers(remove_duplicate=False):
+        out.append(Primal(BUFFER, clean_name(name.split("."), name), b))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise TraceError(f"dynamo's graph has {len(placeholders)} inputs but was called with "
+                         f"{len(example_inputs)}")
+    for n, x in zip(placeholders, example_inputs):
+        arg = n.meta.get("grapharg")
+        source = arg.source.name if arg is not None and arg.source is not None else ""
+        source = source() if callable(source) else source
+        parts = path_of(source) if source else []
+        if "_parameters" in source or isinstance(x, torch.nn.Parameter):
+            kind = PARAM
+        elif "_buffers" in source:
+            kind = BUFFER
+        else:
+            kind = INPUT
+        if kind != INPUT and parts and parts[0] == "self":
+            parts = parts[1:]
+        out.append(Primal(kind, clean_name(parts, n.name), x))
+    return out
+
+
+def module_path(stack: dict | None) -> str:
+    """The innermost module of dynamo's `nn_module_stack` metadata as a
+    module path ("L['self'].transformer.h[0].attn" -> "transformer.h.0.attn")."""
+    if not stack:
+        return ""
+    value = list(stack.values())[-1]
+    text = value[0] if isinstance(value, tuple) else str(value)
+    parts = path_of(text)
+    if parts and parts[0] == "self":
+        parts = parts[1:]
+    return clean_name(parts, "")
+
+
+def _is_tangent(n: fx.Node) -> bool:
+    return n.op == "placeholder" and n.name.startswith("tangents")
+
+
+def joint_program(joint: fx.GraphModule, primals: list[Primal], num_fwd_outputs: int, *,
+                  model_name: str = "") -> Program:
+    """The IR program of AOTAutograd's joint graph `joint` (see the module
+    docstring); `primals` says what each of its primal placeholders is.
+    Marks the fx nodes of `joint` with their program names."""
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    prim_nodes = [n for n in placeholders if not _is_tangent(n)]
+    tangents = [n for n in placeholders if _is_tangent(n)]
+    if len(prim_nodes) != len(primals):
+        raise TraceError(f"the joint graph has {len(prim_nodes)} primal inputs, the region {len(primals)}")
+    for n in placeholders:
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            raise TraceError(f"input {n.name} of the compiled region is not a tensor "
+                             "(dynamic shapes are not supported: compile with dynamic=False)")
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    hold_gradients(joint, num_fwd_outputs)
+    flat_out = list(out_node.args[0])
+    results, grads = flat_out[:num_fwd_outputs], flat_out[num_fwd_outputs:]
+    if len(grads) != len(prim_nodes):
+        raise TraceError(f"the joint graph returns {len(grads)} gradients for {len(prim_nodes)} inputs")
+
+    # The tracer's order: parameters, buffers, inputs, tangents.
+    order = {PARAM: 0, BUFFER: 1, INPUT: 2}
+    ranked = sorted(range(len(primals)), key=lambda i: order[primals[i].kind])
+    params = [(primals[i].name, _with_grad(primals[i], grads[i]), []) for i in ranked if primals[i].kind == PARAM]
+    buffers = [(primals[i].name, primals[i].example, []) for i in ranked if primals[i].kind == BUFFER]
+    inputs = [_with_grad(primals[i], grads[i]) for i in ranked if primals[i].kind == INPUT]
+    in_names = [primals[i].name for i in ranked if primals[i].kind == INPUT]
+    pos_param = [i for i in ranked if primals[i].kind == PARAM]
+    pos_input = [i for i in ranked if primals[i].kind == INPUT]
+    trainable = [k for k, i in enumerate(pos_param) if grads[i] is not None]
+    grad_inputs = [k for k, i in enumerate(pos_input) if grads[i] is not None]
+    wrt_grads = [grads[pos_param[k]] for k in trainable] + [grads[pos_input[k]] for k in grad_inputs]
+    diff = _tangent_results(results, tangents)
+
+    # A copy of the graph in that order; its nodes keep the joint graph's names.
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in [prim_nodes[i] for i in ranked] + tangents:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        c = g.node_copy(n, lambda a: env[a])
+        c.meta = dict(n.meta)
+        path = module_path(n.meta.get("nn_module_stack"))
+        c.meta["nn_module_stack"] = {path: (path, "")} if path else {}
+        env[n] = c
+    g.output(([env[r] if isinstance(r, fx.Node) else r for r in results],
+              [env[x] if isinstance(x, fx.Node) else x for x in wrt_grads]))
+    copy = fx.GraphModule(joint, g)
+    _, spec = pytree.tree_flatten([0] * len(results))
+    program = _to_program(copy, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
+                          False, model_name)
+    program.header.comment.append("the joint graph of a torch.compile region (AOTAutograd)")
+    program.header.fingerprint = fingerprint(program)
+    for n, c in env.items():
+        for key in ("remat_node", "remat_value"):
+            if key in c.meta:
+                n.meta[key] = c.meta[key]
+    return program
+
+
+def hold_gradients(joint: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Make each gradient the joint graph returns an `aten.alias` of it taken
+    at the end of backward.  A compiled backward returns its gradients
+    together, when it ends, and only then does autograd accumulate them into
+    `.grad`: until then each is held.  The program's memory model hands a
+    gradient output to autograd at the instruction that computes it, so the
+    alias, computed last, is that instruction, and the gradient it views is
+    held until then, as the compiled backward holds it.  (A view: no bytes,
+    no copy, and autograd steals it into `.grad` as it would the gradient.)"""
+    graph = joint.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    flat = list(out_node.args[0])
+    alias = torch.ops.aten.alias.default
+    for i in range(num_fwd_outputs, len(flat)):
+        g = flat[i]
+        if not isinstance(g, fx.Node) or (g.target is alias and g.meta.get("remat_hold")):
+            continue
+        with graph.inserting_before(out_node):
+            a = graph.call_function(alias, (g,))
+        a.meta = {k: v for k, v in g.meta.items() if k in ("seq_nr", "nn_module_stack", "stack_trace")}
+        a.meta["val"] = alias(g.meta["val"])
+        a.meta["partitioner_tag"] = "is_backward"
+        a.meta["remat_hold"] = True
+        flat[i] = a
+    out_node.args = (type(out_node.args[0])(flat),) + tuple(out_node.args[1:])
+
+
+def _with_grad(primal: Primal, grad) -> torch.Tensor:
+    """The example tensor, its `requires_grad` as the joint graph has it (a gradient or none)."""
+    t = primal.example
+    want = grad is not None
+    if t.requires_grad == want:
+        return t
+    return _Flag(t, want)
+
+
+class _Flag:
+    """Stands for a tensor where `_to_program` reads only `requires_grad`."""
+
+    def __init__(self, t, requires_grad):
+        self.t, self.requires_grad = t, requires_grad
+
+
+def _tangent_results(results, tangents) -> list[int]:
+    """Which forward result each tangent is the gradient of: AOTAutograd's
+    tangents follow the differentiable outputs in order, each of its
+    output's shape and dtype."""
+    diff, k = [], 0
+    for t in tangents:
+        tv = t.meta.get("val")
+        while k < len(results):
+            r = results[k]
+            rv = r.meta.get("val") if isinstance(r, fx.Node) else None
+            k += 1
+            if isinstance(rv, torch.Tensor) and isinstance(tv, torch.Tensor) and \
+                    list(rv.shape) == list(tv.shape) and rv.dtype == tv.dtype:
+                diff.append(k - 1)
+                break
+        else:
+            diff.append(len(diff))
+    return diff

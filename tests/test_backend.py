@@ -1,0 +1,198 @@
+"""remat_ir.backend: torch.compile with the recomputation decided by a plan.
+
+Each test compiles a small model with `torch.compile(model,
+backend=remat_ir.backend(...))` and checks it against the same model run
+eagerly from the same weights and seeds: gradients (bitwise with aot_eager),
+buffers, the activation peak the plan predicts against the one the
+storage-tracking dispatch mode measures, and the plan as a file.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat_ir
+from remat_ir.torch_compile import BackendError
+from remat_ir.check.simulate import simulate
+from remat_ir.check.verify import verify
+from remat_ir.ir.files import load_plan
+from remat_ir.ir.parser import parse_program
+from remat_ir.ir.printer import format_program
+from remat_ir.models.gpt import GPT, GPTConfig
+from remat_ir.runtime.memtrack import measure_step
+from remat_ir.runtime.run import matches
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def gpt(layers=4, dropout=0.1, vocab=256, batch=8, seq=64, seed=0):
+    """A gpt2-tiny-sized GPT (d=128, 4 heads) and a batch: (model, (idx, targets))."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=128, vocab_size=vocab, block_size=seq,
+                              dropout=dropout)).train()
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets = torch.randint(0, vocab, (batch, seq), generator=g)
+    return model, (idx, targets)
+
+
+def train_side_by_side(model, inputs, be, steps=3):
+    """Train `model` eagerly and compiled with `be` from the same weights and
+    seeds for `steps` SGD steps; assert losses, gradients and buffers are
+    bitwise equal at every step.  Returns the compiled model."""
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    for step in range(steps):
+        losses = []
+        for m, run in ((eager, eager), (model, compiled)):
+            torch.manual_seed(100 + step)
+            loss = run(*inputs)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), f"step {step}: loss {losses[0]} != {losses[1]}"
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: the gradient of {name} differs from eager's"
+        for (name, b), c in zip(eager.named_buffers(), model.buffers()):
+            assert torch.equal(b, c), f"step {step}: buffer {name} differs from eager's"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return compiled
+
+
+def check_memory(model, compiled, inputs, plan):
+    """Predicted vs measured bytes above the step's baseline, on a step
+    without `.grad` (the gradients stolen into `.grad` count) and on one
+    with `.grad` (the activation peak).  Returns the four figures."""
+    params = list(model.parameters())
+
+    def step():
+        torch.manual_seed(7)
+        loss = compiled(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    pre = {"params": params, "buffers": list(model.buffers()), "inputs": list(inputs)}
+    for p in params:
+        p.grad = None
+    first = measure_step(step, pre_existing=pre)
+    later = measure_step(step, pre_existing=dict(pre, grads=[p.grad for p in params]))
+    first_rep = simulate(plan, grads_present=False)
+    later_rep = simulate(plan, grads_present=True)
+    predicted_first = first_rep.peak_bytes - first_rep.baseline_bytes
+    predicted = later_rep.activation_peak_bytes
+    assert matches(predicted_first, first.peak_above_baseline), (predicted_first, first.peak_above_baseline)
+    assert matches(predicted, later.peak_above_baseline), (predicted, later.peak_above_baseline)
+    return predicted_first, first.peak_above_baseline, predicted, later.peak_above_baseline
+
+
+def check_plan_file(plan, tmp_path=None):
+    text = format_program(plan)
+    assert text.startswith("#") or "rir 1" in text
+    back = parse_program(text)
+    assert format_program(back) == text
+    for p in (plan, back):
+        verdict = verify(p)
+        assert verdict.ok, verdict.errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,dropout", [(0.7, 0.1), ("0.5", 0.1), (0.3, 0.0)])
+def test_aot_eager_bitwise_and_predicted_peak(budget, dropout, tmp_path):
+    model, inputs = gpt(dropout=dropout)
+    be = remat_ir.backend(budget=budget, inner="aot_eager", plan_dir=tmp_path)
+    compiled = train_side_by_side(model, inputs, be)
+    assert len(be.plans) == 1, "one compiled region, one plan"
+    plan = be.plans[0]
+    # The plan fits its budget (a fraction of the region's unoptimized activation peak).
+    assert plan.header.budget is not None and plan.header.budget.scope == "activations"
+    assert simulate(plan).activation_peak_bytes <= plan.header.budget.bytes
+    if float(budget) < 0.7:
+        assert any(i.kind == "recompute" for i in plan.backward), "a low budget recomputes"
+    check_memory(model, compiled, inputs, plan)
+    check_plan_file(plan)
+    saved = load_plan(be.paths[0])
+    assert format_program(saved) == format_program(plan)
+
+
+def test_budget_below_the_floor_names_it():
+    model, inputs = gpt(layers=1, vocab=128, batch=2, seq=32)
+    be = remat_ir.backend(budget="1KiB", inner="aot_eager")
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    with pytest.raises(Exception) as info:
+        compiled(*inputs).backward()
+    err = info.value
+    while err is not None and not isinstance(err, BackendError):
+        err = err.__cause__ or err.__context__
+    assert isinstance(err, BackendError), info.value
+    msg = str(err)
+    assert "below the floor" in msg
+    floor = err.__cause__.floor_bytes
+    assert floor > 1024 and str(floor) in msg
+
+
+def test_bad_arguments_are_refused_before_compiling():
+    with pytest.raises(ValueError, match="inner"):
+        remat_ir.backend(budget=0.5, inner="eager")
+    with pytest.raises(ValueError, match="scope"):
+        remat_ir.backend(budget=0.5, scope="weights")
+    with pytest.raises(ValueError):
+        remat_ir.backend(budget=-1)
+
+
+class TwoHalves(torch.nn.Module):
+    """An MLP with a graph break in the middle, and a BatchNorm whose running
+    statistics the step updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(),
+                                     torch.nn.Dropout(0.1), torch.nn.Linear(256, 256), torch.nn.GELU())
+        self.b = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                     torch.nn.Tanh(), torch.nn.Linear(256, 10))
+
+    def forward(self, x, y):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(self.b(h), y)
+
+
+def test_graph_break_gives_a_plan_per_region(tmp_path):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TwoHalves().train()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g))
+    be = remat_ir.backend(budget=0.9, inner="aot_eager", plan_dir=tmp_path)
+    train_side_by_side(model, inputs, be, steps=2)
+    assert len(be.plans) == 2, [p.header.model for p in be.plans]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["region0.rir", "region1.rir"]
+    assert int(model.a[1].num_batches_tracked) == 2  # updated once a step
+    for plan in be.plans:
+        check_plan_file(plan)
+
+
+@pytest.mark.slow
+def test_inductor_step_within_tolerance():
+    pytest.importorskip("torch._inductor")
+    model, inputs = gpt(layers=1, dropout=0.0, vocab=128, batch=4, seq=32)
+    eager = copy.deepcopy(model)
+    be = remat_ir.backend(budget=0.6, inner="inductor")
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    loss = compiled(*inputs)
+    loss.backward()
+    want = eager(*inputs)
+    want.backward()
+    assert len(be.plans) == 1 and verify(be.plans[0]).ok
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=f"gradient of {name}")
