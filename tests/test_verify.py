@@ -409,7 +409,7 @@ def test_unlined_programs_report_section_and_index():
 
 
 def test_verify_a_4000_node_program():
-    """Timings live in tools/timings.py; here only that a big program passes."""
+    """Timings live in tools/stage_times.py; here only that a big program passes."""
     p = random_program(1, n_forward=1400)
     assert len(p.nodes) >= 4000
     v = verify(p)

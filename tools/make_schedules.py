@@ -36,7 +36,8 @@ def build(model: str, budget: str | None) -> str:
     if budget is not None:
         from remat_ir.optimize.search import optimize, resolve_budget
 
-        program = optimize(program, resolve_budget(program, budget, "activations"), "activations").program
+        # The default settings (the "fast" effort): the plan the CLI makes.
+        program = optimize(program, resolve_budget(program, budget, "activations"), scope="activations").program
     return format_program(program)
 
 

@@ -1,12 +1,16 @@
 """Floors with and without graph rewrites, and the rewrites a budget gets.
 
-    python tools/rewrite_floors.py [--only gpt2-mid,resnet-mini]
+    python tools/rewrite_floors.py [--only gpt2-mid,resnet-mini] [--effort fast]
 
 For each model: the traced step's unoptimized activation peak, the floor
 recomputation alone reaches, the floor with the rewrites the optimizer may
-use (`remat_ir.rewrite`), and the plan for a budget below the first floor:
-the rewrites chosen and the time to plan.  GPT-2 medium and resnet18 are
-planned under fake tensors.  Budgets and floors are in the activation scope.
+use (`remat_ir.rewrite`; `remat_ir.optimize.ladder.floor`), and the plan for
+a budget below the first floor (`remat_ir.pipeline.fit`, verified): the
+rewrites chosen and the time to plan.  Both share one `LadderMemo`, so the
+plan reuses the rungs the floor search planned, as a CLI run that resolves
+`--budget floor` first does.  GPT-2 medium and resnet18 are planned under
+fake tensors.  Budgets and floors are in the activation scope.  (To time the
+ladder under other settings, `tools/optimize_times.py` takes `--set`.)
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ import time
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat_ir.models import build_builtin
-from remat_ir.optimize.rewrites import RewritePlanner
-from remat_ir.optimize.search import unoptimized_peak
+from remat_ir.optimize import ladder
+from remat_ir.optimize.search import settings_of, unoptimized_peak
 from remat_ir.pipeline import fit, trace
 
 SCOPE = "activations"
@@ -37,7 +41,10 @@ def mib(n: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated model names")
+    ap.add_argument("--effort", default="fast", choices=("fast", "full"))
     args = ap.parse_args()
+    # The settings `fit` plans with (the memo holds what they learned).
+    settings = settings_of(effort=args.effort)
     names = args.only.split(",") if args.only else list(CASES)
     print("| model | unoptimized | recompute-only floor | floor with rewrites (chosen; time) | budget | "
           "rewrites chosen | plan time |")
@@ -52,17 +59,19 @@ def main() -> None:
             module, inputs = build_builtin(name)
             program = trace(module, inputs, optimizer=optim)
         peak = unoptimized_peak(program, SCOPE)
-        rp = RewritePlanner(program, SCOPE)
+        memo = ladder.LadderMemo()
         t0 = time.perf_counter()
-        low = rp.floor()
-        own = rp.own_floor
+        low = ladder.floor(program, settings, memo, scope=SCOPE)
         t_floor = time.perf_counter() - t0
+        # The graph's own floor: searched whole, or block by block when it is large.
+        own = memo.floors.get((), memo.floors.get(ladder.OWN_BLOCKS))
         budget = int(fraction * peak)
         t0 = time.perf_counter()
-        plan = fit(program, budget, scope=SCOPE, planner=rp)
+        plan = fit(program, budget, scope=SCOPE, effort=args.effort, memo=memo)
         t_plan = time.perf_counter() - t0
-        print(f"| {name} | {mib(peak)} | {mib(own)} ({own / peak:.1%}) | {mib(low)} ({low / peak:.1%}; "
-              f"{', '.join(rp.floor_specs) or 'none'}; {t_floor:.0f} s) | {fraction} ({mib(budget)}) | "
+        f = low.predicted_peak
+        print(f"| {name} | {mib(peak)} | {mib(own)} ({own / peak:.1%}) | {mib(f)} ({f / peak:.1%}; "
+              f"{', '.join(low.program.header.rewrites) or 'none'}; {t_floor:.0f} s) | {fraction} ({mib(budget)}) | "
               f"{', '.join(plan.header.rewrites) or 'none'} | {t_plan:.0f} s |", flush=True)
 
 

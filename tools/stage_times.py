@@ -1,10 +1,14 @@
-"""Wall times of the pipeline's stages on a large model, as a user sees them.
+"""Wall times of the pipeline's stages on a large model, as a user sees them:
+a table of stages and seconds.
 
-    python tools/timings.py [--model gpt2-medium] [--batch 4] [--seq 512]
+    python tools/stage_times.py [--model gpt2-medium] [--batch 4] [--seq 512]
 
 Runs `remat-compile MODEL --fake` and `remat-verify` as subprocesses (so
-interpreter start-up and imports count), then times the stages in-process,
-and the model check `wrap` runs before a plan (`remat_ir.runtime.bind`).
+interpreter start-up and imports count), then times the stages in-process
+(building the model under fake tensors, tracing, simulating, verifying,
+printing and parsing the plan), and the model check `wrap` runs before a
+plan (`remat_ir.runtime.bind`).  No optimizer: the plan is unoptimized (the
+optimizer's times are `tools/optimize_times.py`'s table).
 """
 from __future__ import annotations
 
