@@ -48,7 +48,7 @@ from remat_ir.ir.types import SCOPES
 from remat_ir.optimize import search
 from remat_ir.optimize.milp import FLAT
 from remat_ir.optimize.pareto import sweep
-from remat_ir.optimize.problem import EFFORTS, Problem, Settings
+from remat_ir.optimize.problem import Problem, Settings
 from remat_ir.pipeline import trace
 from remat_ir.runtime.load import load_model
 
@@ -226,7 +226,7 @@ def settings_of(effort: str, pairs: list[str]) -> Settings:
 
 def changed(settings: Settings, effort: str) -> list[str]:
     """The settings that differ from the effort's, as FIELD=VALUE."""
-    base = EFFORTS[effort]
+    base = Settings.of(effort)
     return [f"{f.name}={getattr(settings, f.name)!r}" for f in fields(Settings)
             if getattr(settings, f.name) != getattr(base, f.name)]
 
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated labels (prefixes) to run")
     ap.add_argument("--budgets", default="", help="comma-separated fractions (or floor) for every case")
     ap.add_argument("--scope", default=SCOPE, choices=SCOPES)
-    ap.add_argument("--effort", default="fast", choices=list(EFFORTS))
+    ap.add_argument("--effort", default="fast", choices=("fast", "full"))
     ap.add_argument("--set", dest="settings", action="append", default=[], metavar="FIELD=VALUE",
                     help="an optimizer setting (remat_ir.optimize.problem.Settings), repeatable")
     ap.add_argument("--solves", action="store_true", help="add the solves by kind and the flat search's rounds")
