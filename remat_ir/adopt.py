@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.runtime.bind import ModelGuard
 from remat_ir.runtime.interpret import PlanRunner, WrappedModule
@@ -73,7 +74,7 @@ def _uses_fsdp(model) -> bool:
 
 
 def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = DEFAULT_SCOPE,
-         optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
+         optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
          solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True,
          dynamic: bool = True, max_shape: dict | None = None):
     """`model`, whose training steps run by a remat-ir plan.
@@ -137,7 +138,7 @@ class AutoRemat(WrappedModule):
     module's docstring).  `plans` holds the ones in memory, most recent last."""
 
     def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = DEFAULT_SCOPE,
-                 optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = 300.0,
+                 optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
                  solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, dynamic: bool = False,
                  max_shape: dict | None = None):
         from remat_ir import pipeline

@@ -53,9 +53,7 @@ from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 __all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "check_budget", "check_time_limit",
            "compile", "fit", "plan_device", "trace", "trace_builtin"]
 
-# The optimizer's safety stop in seconds (its search is bounded by counts, not
-# time; see remat_ir.optimize.search.Settings).
-TIME_LIMIT = 300.0
+TIME_LIMIT = budgets.DEFAULT_TIME_LIMIT
 
 
 class BudgetError(ValueError):
@@ -79,9 +77,15 @@ class CompileStats:
     seconds: dict[str, float] = field(default_factory=dict)
     budget: int | None = None  # the budget in bytes, once resolved
     optimized: Any = None  # the optimizer's OptimizeResult (mode, solves, recomputed), when it ran
+    stages: dict[str, float] = field(default_factory=dict)  # the optimizer's seconds by search (floors, rungs)
+    solves: list = field(default_factory=list)  # every solve the optimizer ran (SolveRecord)
 
     def _add(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def add_stages(self, stages: dict[str, float]) -> None:
+        for k, v in stages.items():
+            self.stages[k] = self.stages.get(k, 0.0) + v
 
 
 class _Clock:
@@ -120,18 +124,13 @@ def check_time_limit(time_limit) -> float:
     return budgets.check_time_limit(time_limit)
 
 
-def _check_optimizer_args(solver: str, effort: str) -> None:
-    from remat_ir.optimize.milp import NODE_LIMITED, installed_solvers
-    from remat_ir.optimize.search import EFFORTS
+def _settings(solver: str, effort: str, time_limit: float):
+    """The optimizer's settings for these options; ValueError (saying what
+    to use) for a solver that is not installed or has no node limit, or an
+    unknown effort."""
+    from remat_ir.optimize.search import settings_of
 
-    if solver.upper() not in installed_solvers():
-        raise ValueError(f"solver {solver} is not installed; installed MILP solvers: "
-                         f"{', '.join(installed_solvers())}")
-    if solver.upper() not in NODE_LIMITED:
-        raise ValueError(f"solver {solver} has no node limit, so a plan it makes would depend on the machine's "
-                         f"speed; use one of {', '.join(s for s in NODE_LIMITED if s in installed_solvers())}")
-    if effort not in EFFORTS:
-        raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
+    return settings_of(effort=effort, solver=solver, time_limit=time_limit)
 
 
 def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None = None,
@@ -217,18 +216,23 @@ def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *
 
 def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_limit: float = TIME_LIMIT,
                  solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-                 planner=None, exact: bool = False) -> int:
+                 memo=None, exact: bool = False) -> int:
     """`budget` (see the module's docstring) in bytes, for `program` in
     `scope`.  Raises BudgetError when it cannot be read.  A fraction is of
     the traced step's unoptimized peak; "floor" is the smallest peak any
-    plan reaches, with the graph rewrites `exact` allows.  `planner`: see `fit`."""
+    plan reaches, with the graph rewrites `exact` allows.  `memo`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     time_limit = check_time_limit(time_limit)
     with _Clock(stats, "budget"):
         if _is_floor(budget):
-            planner = _rewrite_planner(program, scope, solver, effort, exact, planner)
-            nbytes = int(planner.floor(time_limit))
+            from remat_ir.optimize import ladder
+
+            r = ladder.floor(program, _settings(solver, effort, time_limit), memo, scope=scope, exact=exact)
+            if stats is not None:
+                stats.add_stages(r.stages)
+                stats.solves += r.solves
+            nbytes = int(r.predicted_peak)
         else:
             from remat_ir.optimize.search import resolve_budget
 
@@ -239,18 +243,6 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
     if stats is not None:
         stats.budget = nbytes
     return nbytes
-
-
-def _rewrite_planner(program, scope, solver, effort, exact, planner):
-    from remat_ir.optimize.rewrites import RewritePlanner
-    from remat_ir.optimize.search import Planner
-
-    if isinstance(planner, RewritePlanner):
-        if planner.exact != exact:
-            raise ValueError("this planner was made with another `exact`")
-        return planner
-    return RewritePlanner(program, scope, solver=solver, effort=effort, exact=exact,
-                          planner=planner if isinstance(planner, Planner) else None)
 
 
 def _verified(program: Program, stats: CompileStats | None) -> Program:
@@ -265,7 +257,7 @@ def _verified(program: Program, stats: CompileStats | None) -> Program:
 
 def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit: float = TIME_LIMIT,
         solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-        planner=None, exact: bool = False) -> Program:
+        memo=None, exact: bool = False) -> Program:
     """The plan for `program` (as `trace` returns it) whose predicted peak in
     `scope` fits `budget`, verified; without a budget, `program` itself,
     verified.  When recomputation alone cannot fit the budget, the optimizer
@@ -273,10 +265,9 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
     and loss in chunks) and the plan's header lists the rewrites; `exact`
     allows only those that keep eager's bits.  `time_limit` is a safety
     stop: when it cuts the search short, the plan's header says so.  To plan
-    several budgets of one program, pass the same `planner`
-    (`remat_ir.optimize.rewrites.RewritePlanner(program, scope)`, or a
-    `remat_ir.optimize.search.Planner` for the graph itself): the work done
-    for one budget serves the next.  A budget or `time_limit` that is no
+    several budgets of one program, pass the same `memo`
+    (`remat_ir.optimize.ladder.LadderMemo()`): the work done for one budget
+    serves the next.  A budget or `time_limit` that is no
     positive, finite amount is refused before any work (BudgetError,
     ValueError)."""
     check_budget(budget)
@@ -288,14 +279,18 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
                              stats=stats, exact=exact)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
-    _check_optimizer_args(solver, effort)
-    planner = _rewrite_planner(program, scope, solver, effort, exact, planner)
+    from remat_ir.optimize import ladder
+
+    settings = _settings(solver, effort, time_limit)
+    memo = ladder.LadderMemo() if memo is None else memo
     nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
-                          stats=stats, planner=planner, exact=exact)
+                          stats=stats, memo=memo, exact=exact)
     with _Clock(stats, "optimize"):
-        result = planner.optimize(nbytes, time_limit)
+        result = ladder.optimize(program, nbytes, settings, memo, scope=scope, exact=exact)
     if stats is not None:
         stats.optimized = result
+        stats.add_stages(result.stages)
+        stats.solves += result.solves
     header = result.program.header
     if header.rewrites:
         from remat_ir.rewrite import describe
@@ -364,7 +359,7 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     check_budget(budget)
     check_time_limit(time_limit)
     if budget is not None:
-        _check_optimizer_args(solver, effort)
+        _settings(solver, effort, time_limit)
     dims = None
     if dynamic:
         from remat_ir.trace.calls import CallError, dynamic_dims, split_call

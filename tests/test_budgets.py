@@ -12,7 +12,7 @@ import torch
 
 from remat_ir.cli.commands import compile_main, run_main, verify_main
 from remat_ir.runtime.load import load_model
-from remat_ir.optimize.search import Infeasible, Planner, floor, optimize, resolve_budget
+from remat_ir.optimize.search import Infeasible, Memo, floor, optimize, resolve_budget
 from remat_ir.runtime.run import matches, run_plan
 from remat_ir.ir.files import load_plan
 from remat_ir.ir.parser import parse_program
@@ -76,19 +76,19 @@ def _within(measured: int, limit: int) -> bool:
 @pytest.mark.parametrize("name", MODELS, ids=_id)
 def test_budget(traced, name, budget):
     program = traced(name)
-    pl = Planner(program, SCOPE)  # the floor's search, then the budget's
+    memo = Memo()  # the floor's search, then the budget's
     if budget == "floor":
-        nbytes = floor(program, SCOPE, time_limit=TIME_LIMIT, planner=pl)
+        nbytes = floor(program, scope=SCOPE, time_limit=TIME_LIMIT, memo=memo).predicted_peak
     else:
         nbytes = resolve_budget(program, budget, SCOPE)
     try:
-        res = optimize(program, nbytes, scope=SCOPE, time_limit=TIME_LIMIT, planner=pl)
+        res = optimize(program, nbytes, scope=SCOPE, time_limit=TIME_LIMIT, memo=memo)
     except Infeasible as e:
         # Refusing is right only when the budget is below what any plan reaches.
         assert budget != "floor", e
         assert (_id(name), budget) not in FEASIBLE, e
         assert e.floor_bytes > nbytes, (e.floor_bytes, nbytes)
-        assert floor(program, SCOPE, time_limit=TIME_LIMIT, planner=pl) > nbytes
+        assert floor(program, scope=SCOPE, time_limit=TIME_LIMIT, memo=memo).predicted_peak > nbytes
         return
     assert res.predicted_peak <= nbytes
     verdict = verify(res.program)
@@ -149,7 +149,7 @@ def _refuse_work(monkeypatch):
     def work(*a, **k):
         raise AssertionError("a bad budget got as far as the pipeline's work")
 
-    for stage in ("trace", "_rewrite_planner", "_verified", "_check_optimizer_args"):
+    for stage in ("trace", "_verified", "_settings"):
         monkeypatch.setattr(pipeline, stage, work)
 
 

@@ -52,7 +52,7 @@ def test_optimizer_minimizes_profiled_time(mlp):
     assert Analysis(q, "activations").cost == [n.time_us for n in q.nodes if n.phase == FORWARD]
     assert Analysis(p, "activations").cost == [n.flops for n in p.nodes if n.phase == FORWARD]
     budget = resolve_budget(q, "0.8", "activations")
-    r = optimize(q, budget, "activations")
+    r = optimize(q, budget, scope="activations")
     assert r.predicted_peak <= budget
     assert verify(r.program).ok
     assert r.program.header.cost == COST_PROFILE

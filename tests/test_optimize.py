@@ -22,9 +22,8 @@ from remat_ir.ir import (  # noqa: E402
     BACKWARD, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header, Node, Output, Program,
     Ref, Seq, Value, contiguous_stride,
 )
-from remat_ir.optimize.search import (  # noqa: E402
-    Infeasible, _highest_apart, floor, optimize, resolve_budget, unoptimized_peak,
-)
+from remat_ir.optimize.flat import highest_apart  # noqa: E402
+from remat_ir.optimize.search import Infeasible, floor, optimize, resolve_budget, unoptimized_peak  # noqa: E402
 from remat_ir.ir.schedule import default_schedule  # noqa: E402
 from remat_ir.check.simulate import simulate  # noqa: E402
 from remat_ir.check.verify import verify  # noqa: E402
@@ -174,15 +173,15 @@ def test_floor_and_cost_match_brute_force(seed, program):
     for scope in SCOPES:
         plans = brute_force(program, scope)
         best = min(p for p, _ in plans)
-        assert floor(program, scope, decompose=False) == best
+        assert floor(program, scope=scope, decompose=False).predicted_peak == best
         distinct = sorted({p for p, _ in plans})
         for budget in distinct[:3] + [distinct[len(distinct) // 2]]:
             want = min(f for p, f in plans if p <= budget)
-            r = optimize(program, budget, scope, decompose=False)
+            r = optimize(program, budget, scope=scope, decompose=False)
             assert r.extra_cost == pytest.approx(want, rel=1e-9, abs=1e-9), (scope, budget)
             check_plan(r, program, budget, scope)
         with pytest.raises(Infeasible) as e:
-            optimize(program, best - 1, scope, decompose=False)
+            optimize(program, best - 1, scope=scope, decompose=False)
         assert e.value.floor_bytes == best
 
 
@@ -239,9 +238,9 @@ def test_stacked_flat_matches_brute_force():
     for scope in SCOPES:
         plans = brute_force(p, scope)
         best = min(x for x, _ in plans)
-        assert floor(p, scope, decompose=False) == best
+        assert floor(p, scope=scope, decompose=False).predicted_peak == best
         mid = sorted({x for x, _ in plans})[len(plans) and len({x for x, _ in plans}) // 3]
-        r = optimize(p, mid, scope, decompose=False)
+        r = optimize(p, mid, scope=scope, decompose=False)
         assert r.extra_cost == pytest.approx(min(f for x, f in plans if x <= mid))
         check_plan(r, p, mid, scope)
 
@@ -258,20 +257,20 @@ def test_decomposed_plans_fit(stacked12):
     p = stacked12
     for scope in SCOPES:
         top = unoptimized_peak(p, scope)
-        f = floor(p, scope, decompose=True)
+        f = floor(p, scope=scope, decompose=True).predicted_peak
         assert f <= top
         for frac in (0.9, 0.7, 0.5):
             budget = int(top * frac)
             if budget < f:
                 with pytest.raises(Infeasible) as e:
-                    optimize(p, budget, scope, decompose=True)
+                    optimize(p, budget, scope=scope, decompose=True)
                 assert e.value.floor_bytes == f
                 continue
-            r = optimize(p, budget, scope, decompose=True)
+            r = optimize(p, budget, scope=scope, decompose=True)
             assert r.mode in ("decomposed", "none")
             check_plan(r, p, budget, scope)
             assert all(s.status for s in r.solves)
-        r = optimize(p, f, scope, decompose=True)
+        r = optimize(p, f, scope=scope, decompose=True)
         check_plan(r, p, f, scope)
 
 
@@ -281,11 +280,11 @@ def test_flat_search_below_the_decomposed_floor(stacked12):
     lower, and budgets between the two get a plan."""
     p = stacked12
     scope = "activations"
-    f_dec = floor(p, scope, decompose=True)
-    f = floor(p, scope, time_limit=30)
+    f_dec = floor(p, scope=scope, decompose=True).predicted_peak
+    f = floor(p, scope=scope, time_limit=30).predicted_peak
     assert f < f_dec  # a chain of 12: the flat MILP drops some block inputs
     budget = (f + f_dec) // 2
-    r = optimize(p, budget, scope, time_limit=30)
+    r = optimize(p, budget, scope=scope, time_limit=30)
     assert r.mode == "flat"
     check_plan(r, p, budget, scope)
 
@@ -294,14 +293,12 @@ def test_combine_milp_when_not_a_chain(stacked12):
     """The general combine (a MILP over per-segment options, used when
     backward does not visit the segments in reverse order) gives a plan that
     fits too."""
-    from remat_ir.optimize.search import EFFORTS, Planner
+    from remat_ir.optimize.search import Settings
     p = stacked_program(12)
     budget = int(unoptimized_peak(p, "activations") * 0.7)
-    settings = dataclasses.replace(EFFORTS["fast"], combine="milp")
-    pl = Planner(p, "activations", effort=settings, decompose=True)
-    milp = optimize(p, budget, "activations", planner=pl)
+    milp = optimize(p, budget, Settings.of("fast", combine="milp", decompose=True), scope="activations")
     check_plan(milp, p, budget, "activations")
-    assert any("combine" in s.name and "DP" not in s.name for s in milp.solves)
+    assert any(s.kind == "combine" and s.method == "MILP" for s in milp.solves)
 
 
 def test_decomposition_finds_repeated_blocks(stacked12):
@@ -349,10 +346,10 @@ def test_decomposed_quality_vs_flat():
     for frac in (0.8, 0.6):
         budget = int(top * frac)
         try:
-            flat = optimize(p, budget, scope, decompose=False)
+            flat = optimize(p, budget, scope=scope, decompose=False)
         except Infeasible:
             continue
-        dec = optimize(p, budget, scope, decompose=True)
+        dec = optimize(p, budget, scope=scope, decompose=True)
         check_plan(dec, p, budget, scope)
         assert dec.extra_cost >= flat.extra_cost - 1e-6
         assert dec.extra_cost <= 2 * flat.extra_cost + 0.05 * flat.base_cost
@@ -369,15 +366,15 @@ def test_refinement_window_reaches_the_flat_optimum_on_two_segments():
     for frac in (0.8, 0.65, 0.5):
         budget = int(top * frac)
         try:
-            flat = optimize(p, budget, scope, decompose=False)
+            flat = optimize(p, budget, scope=scope, decompose=False)
         except Infeasible:
             continue
         if flat.mode == "none" or flat.solves[-1].status != "optimal":
             continue
-        dec = optimize(p, budget, scope, decompose=True)
+        dec = optimize(p, budget, scope=scope, decompose=True)
         check_plan(dec, p, budget, scope)
         assert dec.mode == "decomposed"
-        assert any(rec.name.startswith("window ") for rec in dec.solves)
+        assert any(rec.kind == "window" for rec in dec.solves)
         assert dec.extra_cost == pytest.approx(flat.extra_cost, rel=1e-9, abs=1e-6)
         compared += 1
     assert compared
@@ -390,17 +387,17 @@ def test_infeasible_message_names_parameters():
     p = stacked_program(2)
     base = simulate(p, grads_present=True).baseline_bytes
     with pytest.raises(Infeasible) as e:
-        optimize(p, base // 2, "total")
+        optimize(p, base // 2, scope="total")
     msg = str(e.value)
     assert "parameters" in msg and "gradients" in msg and "exceed" in msg
-    assert e.value.floor_bytes == floor(p, "total")
+    assert e.value.floor_bytes == floor(p, scope="total").predicted_peak
 
 
 def test_infeasible_message_names_the_peak():
     p = stacked_program(2)
-    f = floor(p, "activations")
+    f = floor(p, scope="activations").predicted_peak
     with pytest.raises(Infeasible) as e:
-        optimize(p, f - 1, "activations")
+        optimize(p, f - 1, scope="activations")
     assert "smallest activation peak" in str(e.value) and e.value.floor_bytes == f
 
 
@@ -412,10 +409,10 @@ def test_infeasible_message_names_the_peak():
 def test_random_programs_fit_or_infeasible(program, frac, scope):
     budget = int(unoptimized_peak(program, scope) * frac)
     try:
-        r = optimize(program, budget, scope, time_limit=20)
+        r = optimize(program, budget, scope=scope, time_limit=20)
     except Infeasible as e:
         assert e.floor_bytes > budget
-        assert e.floor_bytes == floor(program, scope, time_limit=20)
+        assert e.floor_bytes == floor(program, scope=scope, time_limit=20).predicted_peak
         return
     check_plan(r, program, budget, scope)
 
@@ -423,7 +420,7 @@ def test_random_programs_fit_or_infeasible(program, frac, scope):
 def test_keep_all_fits_means_no_recompute():
     p = stacked_program(3)
     top = unoptimized_peak(p, "total")
-    r = optimize(p, top, "total")
+    r = optimize(p, top, scope="total")
     assert r.extra_cost == 0 and r.mode == "none"
     check_plan(r, p, top, "total")
 
@@ -431,7 +428,7 @@ def test_keep_all_fits_means_no_recompute():
 def test_time_limit_still_returns_a_plan(stacked12):
     p = stacked12
     budget = int(unoptimized_peak(p, "activations") * 0.8)
-    r = optimize(p, budget, "activations", time_limit=1.0)
+    r = optimize(p, budget, scope="activations", time_limit=1.0)
     check_plan(r, p, budget, "activations")
 
 
@@ -456,7 +453,7 @@ def test_resolve_budget():
 
 
 def test_unknown_solver():
-    with pytest.raises(ValueError, match="not installed"):
+    with pytest.raises(ValueError, match="not a MILP backend"):
         optimize(stacked_program(2), 10 ** 9, solver="NOSUCH")
 
 
@@ -474,12 +471,12 @@ def test_gpt2_tiny(gpt2_tiny):
     p = gpt2_tiny
     scope = "activations"
     top = unoptimized_peak(p, scope)
-    f = floor(p, scope, time_limit=30)
+    f = floor(p, scope=scope, time_limit=30).predicted_peak
     for frac in (0.8, 0.6):
         budget = int(top * frac)
         if budget < f:
             continue
-        r = optimize(p, budget, scope, time_limit=30)
+        r = optimize(p, budget, scope=scope, time_limit=30)
         check_plan(r, p, budget, scope)
         # dropout masks are updated in place: never recomputed
         for ins in r.program.backward:
@@ -492,9 +489,9 @@ def test_gpt2_tiny(gpt2_tiny):
 def test_other_solver_same_optimum():
     for _, program in tiny_programs(4):
         scope = "activations"
-        f = floor(program, scope, decompose=False)
-        a = optimize(program, f, scope, decompose=False)
-        b = optimize(program, f, scope, decompose=False, solver="SCIPY")
+        f = floor(program, scope=scope, decompose=False).predicted_peak
+        a = optimize(program, f, scope=scope, decompose=False)
+        b = optimize(program, f, scope=scope, decompose=False, solver="SCIPY")
         assert b.extra_cost == pytest.approx(a.extra_cost)
         check_plan(b, program, f, scope)
 
@@ -508,10 +505,10 @@ def test_brute_force_property(program, pick, scope):
     assume(1 <= len(Analysis(program, scope).decisions()) <= 7)
     plans = brute_force(program, scope)
     best = min(p for p, _ in plans)
-    assert floor(program, scope, decompose=False) == best
+    assert floor(program, scope=scope, decompose=False).predicted_peak == best
     distinct = sorted({p for p, _ in plans})
     budget = distinct[pick % len(distinct)]
-    r = optimize(program, budget, scope, decompose=False)
+    r = optimize(program, budget, scope=scope, decompose=False)
     assert r.extra_cost == pytest.approx(min(f for p, f in plans if p <= budget), rel=1e-9, abs=1e-9)
     check_plan(r, program, budget, scope)
 
@@ -526,9 +523,9 @@ def test_node_pinned_by_a_result_view_is_kept():
     for scope in SCOPES:
         plans = brute_force(program, scope)
         best = min(p for p, _ in plans)
-        assert floor(program, scope, decompose=False) == best
+        assert floor(program, scope=scope, decompose=False).predicted_peak == best
         for budget in sorted({p for p, _ in plans}):
-            r = optimize(program, budget, scope, decompose=False)
+            r = optimize(program, budget, scope=scope, decompose=False)
             assert r.extra_cost == pytest.approx(min(f for p, f in plans if p <= budget))
             check_plan(r, program, budget, scope)
 
@@ -567,7 +564,7 @@ def test_the_same_plan_on_a_loaded_machine(case):
         for q in procs:
             q.start()
         try:
-            r = optimize(p, budget, "activations", **kw)
+            r = optimize(p, budget, scope="activations", **kw)
         finally:
             for q in procs:
                 q.kill()
@@ -586,7 +583,7 @@ def test_time_limit_without_a_solution_is_not_a_plan(decompose):
     budget = int(unoptimized_peak(p, "activations") * 0.5)
     for tl in (0.01, 0.2):
         try:
-            r = optimize(p, budget, "activations", time_limit=tl, decompose=decompose)
+            r = optimize(p, budget, scope="activations", time_limit=tl, decompose=decompose)
         except Infeasible as e:
             assert e.floor_bytes > budget
             continue
@@ -596,11 +593,11 @@ def test_time_limit_without_a_solution_is_not_a_plan(decompose):
 def test_a_budget_round_takes_its_rows_apart_then_the_highest_of_the_rest():
     over = {("b", 10): 900, ("q", 11, 0): 899, ("b", 11): 898, ("q", 12, 3): 897,  # one peak
             ("b", 20): 800, ("f", 5): 700, ("f", 6): 699, ("b", 30): 600}
-    assert _highest_apart(set(over), over, 4, 2) == {("b", 10), ("b", 20), ("f", 5), ("b", 30)}
+    assert highest_apart(set(over), over, 4, 2) == {("b", 10), ("b", 20), ("f", 5), ("b", 30)}
     # Fewer places than rows: the highest of the rest fill the round.
     few = {k: over[k] for k in (("b", 10), ("q", 11, 0), ("b", 11), ("q", 12, 3))}
-    assert _highest_apart(set(few), few, 3, 2) == {("b", 10), ("q", 11, 0), ("b", 11)}
-    assert _highest_apart(set(over), over, 0, 2) == set()
+    assert highest_apart(set(few), few, 3, 2) == {("b", 10), ("q", 11, 0), ("b", 11)}
+    assert highest_apart(set(over), over, 0, 2) == set()
 
 
 def test_every_backend_a_plan_is_made_with_stops_at_a_node_limit():
@@ -615,10 +612,11 @@ def test_every_backend_a_plan_is_made_with_stops_at_a_node_limit():
         solver_options("GLPK_MI", 5, nodes=7)
 
 
-def test_a_backend_without_a_node_limit_is_refused(monkeypatch):
+def test_a_backend_without_a_node_limit_is_refused():
     from remat_ir import pipeline
-    from remat_ir.optimize import milp
+    from remat_ir.optimize.search import Settings
 
-    monkeypatch.setattr(milp, "installed_solvers", lambda: ("HIGHS", "GLPK_MI"))
-    with pytest.raises(ValueError, match="GLPK_MI has no node limit.*use one of HIGHS"):
-        pipeline._check_optimizer_args("GLPK_MI", "fast")
+    for make in (lambda: Settings(solver="GLPK_MI"), lambda: pipeline._settings("GLPK_MI", "fast", 60.0),
+                 lambda: optimize(stacked_program(2), 10 ** 9, solver="glpk_mi")):
+        with pytest.raises(ValueError, match="GLPK_MI has no node limit.*use one of HIGHS"):
+            make()

@@ -37,7 +37,7 @@ def test_budgets_span_top_to_floor():
 
 def test_sweep_rows_fit_their_budgets(mlp_program, rows):
     top = unoptimized_peak(mlp_program, "activations")
-    low = floor(mlp_program, "activations")
+    low = floor(mlp_program, scope="activations").predicted_peak
     assert [r.budget for r in rows] == sorted((r.budget for r in rows), reverse=True)
     assert rows[0].budget == top and rows[0].fraction == 1.0
     assert rows[0].status == UNOPTIMIZED and rows[0].extra == 0.0 and rows[0].overhead == 0.0

@@ -19,7 +19,7 @@ from remat_ir.ir.parser import parse_program
 from remat_ir.ir.printer import format_program
 from remat_ir.models import build_builtin
 from remat_ir.pipeline import fit
-from remat_ir.optimize.search import Infeasible, Planner, floor, unoptimized_peak
+from remat_ir.optimize.search import Infeasible, floor, unoptimized_peak
 from remat_ir.rewrite import NotApplicable, apply, region
 from remat_ir.runtime.load import load_model
 from remat_ir.runtime.run import GRAD_RTOL, relative_difference, run_plan
@@ -88,7 +88,7 @@ def _wide_head():
 def test_the_plan_of_a_chunked_loss_fits_where_recomputation_alone_cannot():
     module, inputs = _wide_head()
     program = remat_ir.compile(module, inputs)
-    f0 = floor(program, SCOPE, planner=Planner(program, SCOPE))
+    f0 = floor(program, scope=SCOPE).predicted_peak
     with pytest.raises(Infeasible):
         fit(program, f0 - 1, scope=SCOPE, exact=True)  # exact: no chunks
     plan = fit(program, f0 - 1, scope=SCOPE)
@@ -276,7 +276,7 @@ def test_batchnorm_split_gives_eager_bits(resnet):
         assert all(torch.equal(a, b) for a, b in zip(ga, gb))
         assert all(torch.equal(a, b) for a, b in zip(ba, bb))  # running statistics updated once
     # Recomputation alone cannot reach 0.4 of the activation peak; the split plan does (below).
-    assert floor(program, SCOPE, planner=Planner(program, SCOPE)) > 0.4 * unoptimized_peak(program, SCOPE)
+    assert floor(program, scope=SCOPE).predicted_peak > 0.4 * unoptimized_peak(program, SCOPE)
 
 
 def test_resnet_at_0_4_runs_bitwise_and_as_predicted(resnet):

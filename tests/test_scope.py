@@ -23,14 +23,14 @@ def test_the_default_scope_is_activations():
 
 
 def test_every_entry_point_shares_the_default():
-    from remat_ir.optimize import family, pareto, rewrites, search
+    from remat_ir.optimize import family, ladder, pareto, search
 
     entry_points = {
         "remat_ir.wrap": remat_ir.wrap, "AutoRemat": adopt.AutoRemat, "remat_ir.compile": remat_ir.compile,
         "pipeline.fit": pipeline.fit, "pipeline.budget_bytes": pipeline.budget_bytes,
-        "search.optimize": search.optimize, "search.floor": search.floor, "search.Planner": search.Planner,
+        "search.Problem.of": search.Problem.of,
         "search.resolve_budget": search.resolve_budget, "search.unoptimized_peak": search.unoptimized_peak,
-        "family.Analysis": family.Analysis, "rewrites.RewritePlanner": rewrites.RewritePlanner,
+        "family.Analysis": family.Analysis, "ladder.floor": ladder.floor, "ladder.optimize": ladder.optimize,
         "pareto.sweep": pareto.sweep, "pareto.plot": pareto.plot,
     }
     defaults = {name: _scope_default(fn) for name, fn in entry_points.items()}

@@ -58,6 +58,7 @@ from remat_ir.cli.errors import EXIT_FAIL, EXIT_OK, CliError, run_cli
 from remat_ir.cli.measure import Context, Prepared, Row, eager_reference, measure, time_rounds
 from remat_ir.cli.methods import method_specs, select
 from remat_ir.cli.outputs import check_outputs, model_file
+from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT
 from remat_ir.ir.files import write_atomically
 
 
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation budgets for torch.compile and remat-ir (default 0.7,0.5,0.3)")
     p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "adam"],
                    help="optimizer state allocated (and counted in the totals); default adam")
-    p.add_argument("--time-limit", type=float, default=300.0, help="optimizer safety stop per budget (s)")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                   help=f"optimizer safety stop per search (s; default {DEFAULT_TIME_LIMIT:g})")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what remat-ir's optimizer minimizes: recomputed FLOPs (default), or recomputed op "
                         "time, each op timed on the device first (as remat-compile --cost profile)")

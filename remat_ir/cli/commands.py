@@ -29,6 +29,7 @@ def compile_main(argv=None) -> int:
 
 
 def _compile_parser() -> argparse.ArgumentParser:
+    from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT
     from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
     from remat_ir.models import describe_builtins
 
@@ -56,9 +57,12 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help=f"what --budget measures (default {DEFAULT_SCOPE}): activations, what the step adds "
                         "on top of parameters, gradients and optimizer state; total, all of it")
     p.add_argument("--solver", default="HIGHS")
-    p.add_argument("--time-limit", type=float, default=300.0,
-                   help="safety stop for the optimizer, in seconds per budget (default 300); a plan it "
-                        "cuts short says so in its header")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                   help=f"safety stop for the optimizer, in seconds per search (default {DEFAULT_TIME_LIMIT:g}); "
+                        "a plan it cuts short says so in its header")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say where the optimizer's time went: each search (the graph, its floors, each "
+                        "rewritten graph tried) and its solves by kind")
     p.add_argument("--effort", default="fast", choices=["fast", "full"],
                    help="how hard the search on large graphs (over 192 decisions) works: fast stops each "
                         "per-block MILP at a node limit; full solves each to its gap tolerance. Both give "
@@ -232,6 +236,8 @@ def _compile(argv) -> int:
         stages = [(k, stats.seconds[k]) for k in ("budget", "optimize", "verify") if k in stats.seconds]
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in stages)
         notes.append(f"optimized in {sum(v for _, v in stages):.1f} s ({spent}): {overhead_text(program)}")
+        if getattr(args, "verbose", False):
+            notes += _where_the_time_went(stats)
     if program.header.rewrites:
         from remat_ir.rewrite import describe
 
@@ -271,6 +277,16 @@ def _eval_text(in_eval: list[str]) -> str:
     return f"submodule {in_eval[0]}{more} {'were' if more else 'was'} in eval mode"
 
 
+def _where_the_time_went(stats) -> list[str]:
+    """The optimizer's seconds by search, and its solves by kind."""
+    out = [f"  {k}: {v:.2f} s" for k, v in stats.stages.items()]
+    kinds: dict[str, list] = {}
+    for r in stats.solves:
+        kinds.setdefault(f"{r.kind} ({r.method})", []).append(r.seconds)
+    out += [f"  {len(v)} {k} solves: {sum(v):.2f} s" for k, v in sorted(kinds.items())]
+    return out
+
+
 def _check_scalar_loss(program, model: str, loss) -> None:
     """Refuse a step that does not end in one scalar loss: remat-run (and a
     training loop) calls .backward() on it.  (A `loss()` that returns no
@@ -295,7 +311,7 @@ def _sweep(program, args, points: int, say) -> tuple[list, float]:
     t0 = time.perf_counter()
     say(table_header(program, args.scope))
     say(format_columns())
-    # The same program object for every budget: the optimizer reuses its planner.
+    # The same program object for every budget: the optimizer reuses its memo.
     rows = sweep(program, args.scope, points=points, time_limit=args.time_limit, solver=args.solver,
                  effort=args.effort, progress=lambda r: say(format_row(r)))
     return rows, time.perf_counter() - t0

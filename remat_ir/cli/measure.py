@@ -147,7 +147,7 @@ class Context:
         self.trace_s = None
         self.profile_s = None  # with --cost profile: timing every op of the traced step
         self._opt_api = None
-        self._planner = None
+        self._memo = None
         self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     def fresh(self) -> torch.nn.Module:
@@ -171,14 +171,14 @@ class Context:
             self.profile_s = stats.seconds.get("profile")
         return self._program
 
-    def planner(self):
-        """One optimizer planner for every budget row: the block options (and
+    def memo(self):
+        """One optimizer memo for every budget row: the block options (and
         rewritten graphs) built for one budget serve the next."""
-        if self._planner is None:
-            from remat_ir.optimize.rewrites import RewritePlanner
+        if self._memo is None:
+            from remat_ir.optimize.ladder import LadderMemo
 
-            self._planner = RewritePlanner(self.program(), "activations")
-        return self._planner
+            self._memo = LadderMemo()
+        return self._memo
 
     def optimizer_api(self):
         """The optimizer package, or Unavailable (shown as n/a) when it cannot be imported."""

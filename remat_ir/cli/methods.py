@@ -196,7 +196,7 @@ def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
             with quiet_stdout(), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 program = fit(program, budget, scope="activations", time_limit=ctx.args.time_limit,
-                              stats=stats, planner=ctx.planner())
+                              stats=stats, memo=ctx.memo())
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible":
                 fb = getattr(e, "floor_bytes", None)

@@ -87,6 +87,12 @@ def parse_budget(budget) -> tuple[str, float | int]:
     return "bytes", budget_int(value * UNITS[unit], budget)
 
 
+# The optimizer's safety stop in seconds, per search: its searches are bounded
+# by counts, not time (remat_ir.optimize.problem.Settings), and a search this
+# stops says so in its plan's header.
+DEFAULT_TIME_LIMIT = 300.0
+
+
 def check_time_limit(seconds) -> float:
     """The optimizer's time limit in seconds, as a float; ValueError unless it
     is a positive, finite number."""

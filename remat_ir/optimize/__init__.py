@@ -5,4 +5,6 @@ The only package of remat-ir that imports numpy, scipy or cvxpy.
 """
 from __future__ import annotations
 
-from remat_ir.optimize.search import Infeasible, floor, optimize, resolve_budget  # noqa: F401
+from remat_ir.optimize.search import (  # noqa: F401
+    Infeasible, Memo, OptimizeResult, Problem, Settings, floor, optimize, resolve_budget,
+)

@@ -197,6 +197,44 @@ def segments(a: Analysis, merge_small: int = 12) -> tuple[list[Segment], dict[in
     return segs, fixed
 
 
+@dataclass(frozen=True)
+class Decomposition:
+    """A program's segments and what the combine of their options needs."""
+
+    segs: list[Segment]
+    fixed: dict[int, int]  # decisions forced to keep (storages crossing segments)
+    part: dict[int, tuple[int, int]]  # segment -> its backward window of stages (a partition)
+    first_window: int  # the first backward stage of any segment's window
+    classes: dict[str, list[Segment]]  # structural signature -> its segments, first one canonical
+    chain: bool  # backward visits the segments in reverse forward order: the combine is a DP
+
+    @property
+    def blocks(self) -> int:
+        """Segments that hold decisions."""
+        return sum(1 for s in self.segs if s.decisions)
+
+
+def decompose(a: Analysis) -> Decomposition:
+    segs, fixed = segments(a)
+    # Partition of the backward stages into windows, in backward order.
+    with_st = sorted((s for s in segs if s.storages), key=lambda s: s.window[0])
+    part = {}
+    for i, s in enumerate(with_st):
+        hi = with_st[i + 1].window[0] - 1 if i + 1 < len(with_st) else a.nb - 1
+        part[s.index] = (s.window[0], max(hi, s.window[1]))
+    classes: dict[str, list[Segment]] = {}
+    for s in segs:
+        classes.setdefault(s.signature, []).append(s)
+    # Backward visits the segments in reverse forward order when the windows
+    # starting later are exactly those of the segments before: what the
+    # others hold during a segment (forward or backward) is then what the
+    # segments before it keep.
+    pos = {s.index: i for i, s in enumerate(segs)}
+    lo = {si: part[si][0] for si in part}
+    chain = all({j for j in lo if lo[j] > lo[si]} == {j for j in lo if pos[j] < pos[si]} for si in lo)
+    return Decomposition(segs, fixed, part, with_st[0].window[0] if with_st else a.nb, classes, chain)
+
+
 def _n_decisions(a: Analysis, idx: list[int]) -> int:
     return sum(1 for i in idx if a.kind[i] == UNIT)
 

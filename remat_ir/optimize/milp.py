@@ -75,16 +75,34 @@ def lin(*terms) -> dict:
     return {k: v for k, v in out.items() if abs(v) > 1e-12 or (k == CONST and v != 0.0)}
 
 
-@dataclass
+FLAT, OPTION, COMBINE, WINDOW = "flat", "option", "combine", "window"  # what a solve was for
+
+
+@dataclass(frozen=True)
 class SolveRecord:
-    name: str
+    """One solve of a search: what it was for, how large, how it ended."""
+
+    kind: str  # FLAT (the whole graph), OPTION (a block class), COMBINE (one option per segment), WINDOW
+    subject: str  # what it solved for: "budget 12 MiB", "floor", a block class and its caps, ...
     status: str
-    objective: float | None
-    gap: float | None
     seconds: float
+    objective: float | None = None
+    gap: float | None = None
+    round: int = 0  # the round of a lazy search (memory rows added between rounds); 0: not lazy
+    rows: int | None = None  # memory rows in the model; None: every row
+    nodes: int | None = None  # branch-and-bound node limit; None: solved to the gap
+    method: str = "MILP"  # or "DP" (the chain combine)
     variables: int = 0
     binaries: int = 0
     constraints: int = 0
+
+    @property
+    def name(self) -> str:
+        """The record as one line of a log."""
+        extra = f", round {self.round}" if self.round else ""
+        if self.kind in (FLAT, OPTION) or self.rows is not None:
+            extra += f", {'every' if self.rows is None else self.rows} memory rows"
+        return f"{self.kind} {self.subject} ({self.method}{extra})"
 
 
 @contextlib.contextmanager
@@ -137,6 +155,8 @@ class KeepModel:
         self.nx = 0
         self.xub: list[float] = []
         self.rows: list[tuple[dict, str]] = []  # (expr, kind): expr <= 0 / <= B / <= Rcap
+        self.const_mem = 0.0  # the largest constant of a memory row: a least peak is at least this
+        self.active: set | None = None  # the memory rows built (None: every row)
 
         # The binaries say *recompute* (1 - keep): the recompute cost is then
         # a linear form without a constant, so the solver's relative gap is
@@ -410,7 +430,6 @@ class KeepModel:
             else:
                 ya = self.any_of([self.X(w, last_stage) for w in dyn[k]])
             R.append(live(k, ya, -1))
-        self.R = R
 
         # Slots per event: units owning a storage in scope, recomputable then.
         owners = {st.owner for st in sts}
@@ -668,7 +687,7 @@ class Compiled:
             raise ValueError(objective)
         self.problem = cp.Problem(cp.Minimize(obj), cons)
 
-    def solve(self, name: str, *, solver: str = "HIGHS", time_limit: float = 60.0,
+    def solve(self, kind: str, subject: str, *, round: int = 0, solver: str = "HIGHS", time_limit: float = 60.0,
               warm: bool = False, log=None, rel_gap: float = 1e-6, nodes: int | None = None):
         """Solve; returns (kept decisions or None, SolveRecord).  A solution is
         accepted only when every binary is integral (CBC may return the LP
@@ -685,11 +704,12 @@ class Compiled:
                 keep = {d for d, v in zip(m.dec, yv) if v < 0.5}
             else:
                 status = status + " (fractional)"
-        rec = SolveRecord(name, status, objv, gap,
-                          time.perf_counter() - t0, m.ny + m.nx, m.ny, m.n_constraints)
+        rec = SolveRecord(kind, subject, status, time.perf_counter() - t0, objv, gap, round=round,
+                          rows=None if m.active is None else len(m.active), nodes=nodes,
+                          variables=m.ny + m.nx, binaries=m.ny, constraints=m.n_constraints)
         if log:
             g = "-" if gap is None else f"{gap:.2%}"
-            log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s "
+            log(f"  {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s "
                 f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows)")
         return keep, rec
 
@@ -796,7 +816,7 @@ def installed_solvers() -> tuple[str, ...]:
 
 
 def pick_options(A: np.ndarray, const: np.ndarray, cost: np.ndarray, groups: list[list[int]],
-                 budget: float | None, *, name: str, solver: str = "HIGHS", time_limit: float = 60.0,
+                 budget: float | None, *, subject: str, solver: str = "HIGHS", time_limit: float = 60.0,
                  nodes: int | None = None, log=None):
     """One option per group (the columns of A), such that every memory row
     ``A @ z + const`` stays within `budget`, at the least `cost`; with
@@ -817,10 +837,11 @@ def pick_options(A: np.ndarray, const: np.ndarray, cost: np.ndarray, groups: lis
     prob = cp.Problem(obj, cons)
     t0 = time.perf_counter()
     ok, status, objv, gap = run_solver(prob, solver, time_limit, 1e-6, nodes)
-    rec = SolveRecord(name, status, objv, gap, time.perf_counter() - t0, n, n, A.shape[0] + len(groups))
+    rec = SolveRecord(COMBINE, subject, status, time.perf_counter() - t0, objv, gap, nodes=nodes,
+                      variables=n, binaries=n, constraints=A.shape[0] + len(groups))
     if log:
         g = "-" if gap is None else f"{gap:.2%}"
-        log(f"  MILP {name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
+        log(f"  {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s ({n} options)")
     if not ok or z.value is None:
         return None, rec
     zv = np.asarray(z.value)

@@ -73,18 +73,17 @@ def sweep(program: Program, scope: str = DEFAULT_SCOPE, *, points: int = DEFAULT
 
     `time_limit` bounds each solve (the floor search included).  `progress`,
     when given, is called with each row as soon as it is solved."""
-    from remat_ir.optimize.search import DEFAULT_TIME_LIMIT, Infeasible, Planner, floor, optimize, unoptimized_peak
+    from remat_ir.optimize.search import Infeasible, Memo, floor, optimize, settings_of, unoptimized_peak
 
-    time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
-    # One planner for every budget: the block options built for one serve the rest.
-    pl = Planner(program, scope, solver=solver, effort=effort, log=log)
+    settings = settings_of(effort=effort, solver=solver, time_limit=time_limit)
+    # One memo for every budget: the block options built for one serve the rest.
+    memo = Memo()
     top = unoptimized_peak(program, scope)
-    low = floor(program, scope, time_limit=time_limit, solver=solver, log=log, effort=effort, planner=pl)
+    low = floor(program, settings, memo, scope=scope, log=log).predicted_peak
     rows: list[Row] = []
     for b in budgets(top, low, points):
         try:
-            r = optimize(program, b, scope, time_limit=time_limit, solver=solver, log=log, effort=effort,
-                         planner=pl)
+            r = optimize(program, b, settings, memo, scope=scope, log=log)
         except Infeasible as e:
             row = Row(b, b / top if top else 1.0, None, 0.0, 0.0, 0.0, INFEASIBLE)
             if log:

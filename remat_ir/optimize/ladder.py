@@ -1,0 +1,296 @@
+"""The rewrite ladder: graph rewrites (`remat_ir.rewrite`) when recomputation
+alone cannot fit a budget.
+
+The traced graph is tried first; a rewrite is used only when the budget is
+below its floor.  Then the rungs, least change first:
+
+    batchnorm_split                     (when the graph has a training BatchNorm;
+                                         eager's bits, so allowed under `exact`)
+    [batchnorm_split,] chunked_loss:K   K = 2, 4, 8, ... (not under `exact`)
+    [batchnorm_split,] chunked_loss:K:late
+                                        a head weight tied to the embedding:
+                                        its head gradient made at the end of
+                                        backward (more compute, a weight less held)
+    [... the last of those,] chunked_attention:K
+                                        K = 2, 4, 8: every softmax attention in K
+                                        chunks of its B*H matrices
+
+Whether a rung fits is decided by its floor when the rewritten graph is
+planned block by block (large graphs, where that search takes seconds),
+else by a node-limited search at the budget, then by the floor.  The rungs
+are tried in order until one fits (the fewest chunks that fit; a family,
+plain or late, whose most chunks do not fit is passed over whole), and the
+next count up in that family is planned too: the one with the lower total
+cost (every op of the rewritten step plus its recomputes, in the program's
+cost model) wins, the fewer chunks on a tie.
+
+`floor` and `optimize` are functions of the program, the budget, the
+settings and a `LadderMemo`: each rung's rewritten graph, problem and memo
+(its block options, learned rows and floor), and the floors found, so a
+rung searched once (for the floor, or an earlier budget) is not searched
+again.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from remat_ir.ir import Program
+from remat_ir.ir.types import DEFAULT_SCOPE
+from remat_ir.optimize import search
+from remat_ir.optimize.problem import Infeasible, Memo, OptimizeResult, Problem, Settings
+from remat_ir.rewrite import (
+    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, chunk_choices,
+    describe, has_batchnorm, late_applies,
+)
+
+OWN_BLOCKS = ("(the graph, block by block)",)  # the graph's own floor searched by blocks
+
+
+@dataclass
+class LadderMemo:
+    """What the ladder learned about one program, scope and `exact`."""
+
+    programs: dict[tuple, Program] = field(default_factory=dict)  # rung -> its rewritten graph
+    problems: dict[tuple, Problem] = field(default_factory=dict)
+    memos: dict[tuple, Memo] = field(default_factory=dict)  # rung -> its search memo
+    settings: dict[tuple, Settings] = field(default_factory=dict)  # rung -> the settings it is planned with
+    floors: dict[tuple, int] = field(default_factory=dict)  # rung -> its floor, once searched
+    floor_rung: tuple | None = None  # the rung of the ladder's floor (`floor`), once searched
+    bound_to: tuple | None = None
+
+    def bind(self, program: Program, scope: str, exact: bool, settings: Settings) -> LadderMemo:
+        key = (program, scope, exact, settings)
+        if self.bound_to is None:
+            self.bound_to = key
+            self.programs[()] = program
+        elif self.bound_to[0] is not program or self.bound_to[1:] != key[1:]:
+            raise ValueError("this ladder memo holds what another program, scope or setting learned")
+        return self
+
+
+class _Ladder:
+    """One ladder call: the rungs of a program and the searches it ran."""
+
+    def __init__(self, program: Program, scope: str, settings: Settings, memo: LadderMemo, exact: bool, log):
+        self.program, self.scope, self.settings, self.exact, self.log = program, scope, settings, exact, log
+        self.memo = memo.bind(program, scope, exact, settings)
+        self.results: list[OptimizeResult] = []
+        self.stages: dict[str, float] = {}
+
+    def steps(self) -> list[tuple]:
+        """The rewrite lists to try after the graph itself, least change first."""
+        base = (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
+        steps = [base] if base else []
+        if not self.exact or BIT_EXACT[CHUNKED_LOSS]:
+            ks = chunk_choices(self.program)
+            steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in ks]
+            if ks and late_applies(self.program):
+                steps += [base + (f"{CHUNKED_LOSS}:{k}:late",) for k in ks]
+        if not self.exact or BIT_EXACT[CHUNKED_ATTENTION]:
+            last = steps[-1] if steps else base
+            steps += [last + (f"{CHUNKED_ATTENTION}:{k}",) for k in attention_choices(self.program)]
+        return steps
+
+    def rewritten(self, rung: tuple) -> Program:
+        m = self.memo
+        if rung not in m.programs:
+            m.programs[rung] = apply(self.program, list(rung[:0] if rung == OWN_BLOCKS else rung))
+        return m.programs[rung]
+
+    def problem(self, rung: tuple) -> Problem:
+        m = self.memo
+        if rung not in m.problems:
+            m.problems[rung] = (self.problem(()) if rung == OWN_BLOCKS
+                                else Problem.of(self.rewritten(rung), self.scope))
+        return m.problems[rung]
+
+    def rung_settings(self, rung: tuple) -> Settings:
+        """A rewritten graph past `flat_floor_decisions` is planned block by
+        block when it has blocks: the flat search's floor proof, which decides
+        each rung, grows too slow (minutes at 120 decisions)."""
+        m = self.memo
+        if rung not in m.settings:
+            st = self.settings
+            p = self.problem(rung)
+            big = len(p.decisions) > st.flat_floor_decisions and p.decomposition.blocks >= 2
+            if rung == OWN_BLOCKS or (rung and big):
+                st = replace(st, decompose=True)
+            m.settings[rung] = st
+        return m.settings[rung]
+
+    def _call(self, what: str, rung: tuple, fn, *args, **kw) -> OptimizeResult:
+        t0 = time.perf_counter()
+        memo = self.memo.memos.setdefault(rung, Memo())
+        try:
+            r = fn(self.problem(rung), *args, self.rung_settings(rung), memo, log=self.log, **kw)
+        finally:
+            label = f"{what} " + ("the graph" if not rung else "the graph by blocks" if rung == OWN_BLOCKS
+                                  else describe(list(rung)))
+            self.stages[label] = self.stages.get(label, 0.0) + time.perf_counter() - t0
+        self.results.append(r)
+        return r
+
+    def floor_of(self, rung: tuple) -> int:
+        if rung not in self.memo.floors:
+            self.memo.floors[rung] = self._call("floor of", rung, search.floor).predicted_peak
+        return self.memo.floors[rung]
+
+    def optimize(self, rung: tuple, budget: int, prove: bool = False) -> OptimizeResult:
+        r = self._call("search of", rung, search.optimize, budget, prove=prove)
+        if rung:
+            r.program.header.rewrites = list(rung)
+        return r
+
+    def own_rung(self, steps: list) -> tuple:
+        """The rung whose floor is the graph's own: the graph itself, or, for
+        a large graph with rewrites to try, the graph searched block by block."""
+        p = self.problem(())
+        if (not p.decomposes(self.settings) and len(p.decisions) > self.settings.flat_floor_decisions and steps
+                and p.decomposition.blocks >= 2):
+            return OWN_BLOCKS
+        return ()
+
+
+def _family(specs: tuple) -> tuple:
+    """The rewrites of a rung less their chunk counts: rungs of one family
+    differ only in how many chunks."""
+    return tuple(s.split(":")[0] + (":late" if s.endswith(":late") else "") for s in specs)
+
+
+def _total(r: OptimizeResult) -> float:
+    return r.base_cost + r.extra_cost
+
+
+def _explained(e: Infeasible, specs: tuple) -> Infeasible:
+    if not specs:
+        return e
+    return Infeasible(f"{e} (with rewrites: {describe(list(specs))})", e.floor_bytes, e.budget_bytes, e.scope)
+
+
+def _finish(lad: _Ladder, r: OptimizeResult, t0: float, budget: int | None) -> OptimizeResult:
+    """`r`, with the solves, seconds and stages of every search the call ran."""
+    return replace(r, solves=[s for x in lad.results for s in x.solves], seconds=time.perf_counter() - t0,
+                   stages=dict(lad.stages), budget=budget,
+                   time_limited=any(x.time_limited for x in lad.results))
+
+
+def floor(program: Program, settings: Settings | None = None, memo: LadderMemo | None = None, *,
+          scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
+    """The smallest peak the optimizer reaches: the graph's own floor, or the
+    last rung's (the most chunks) when that is lower; the result's plan is
+    that rung's floor plan.  When the last family of rungs (chunked
+    attention, or the late tied gradient) does not lower the floor below the
+    family before it, that one's last rung is used: the same floor with less
+    recompute.  Only those two are compared (each floor search of a
+    rewritten graph takes seconds)."""
+    t0 = time.perf_counter()
+    settings = search.settings_of(settings, **given)
+    lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log)
+    steps = lad.steps()
+    m = lad.memo
+    if m.floor_rung is None:
+        own = lad.own_rung(steps)
+        best = (lad.floor_of(own), own)
+        ends = [i for i in range(len(steps)) if i + 1 == len(steps) or _family(steps[i + 1]) != _family(steps[i])]
+        last = None
+        for i in reversed(ends[-2:]):  # the last family's floor, then the one before it
+            if steps[i] == (BATCHNORM_SPLIT,) and last is not None:
+                break
+            f = lad.floor_of(steps[i])
+            if last is None or f <= last[0]:
+                last = (f, steps[i])
+        if last is not None and last[0] < best[0]:
+            best = last
+        m.floor_rung = best[1]
+    rung = m.floor_rung
+    r = lad._call("floor of", rung, search.floor)
+    if rung and rung != OWN_BLOCKS:
+        r.program.header.rewrites = list(rung)
+    return _finish(lad, r, t0, None)
+
+
+def optimize(program: Program, budget: int, settings: Settings | None = None, memo: LadderMemo | None = None,
+             *, scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
+    """The cheapest plan for `budget` the ladder finds; raises Infeasible
+    (with the floor of the last rung) when none fits.  The graph itself is
+    probed by a search that stops at its node limits without proving a
+    floor; each rung, by that search and then by its floor."""
+    t0 = time.perf_counter()
+    budget = int(budget)
+    settings = search.settings_of(settings, **given)
+    lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log)
+    m = lad.memo
+    if m.floor_rung is not None and m.floors.get(m.floor_rung) == budget:
+        # `--budget floor`: the floor rung's floor plan (its memo holds it).
+        return _finish(lad, lad.optimize(m.floor_rung, budget, prove=True), t0, budget)
+    steps = lad.steps()
+    try:
+        own = lad.own_rung(steps)
+        if own == OWN_BLOCKS and lad.floor_of(own) > budget:
+            # A large graph: its block-by-block floor (seconds) says whether
+            # to search it at all, not a flat search (a minute) that fails.
+            raise Infeasible("below the graph's own floor", lad.floor_of(own), budget, scope)
+        return _finish(lad, lad.optimize((), budget, prove=not steps), t0, budget)
+    except Infeasible:
+        if not steps:
+            raise
+    found: dict[int, OptimizeResult] = {}
+    tested: dict[int, bool] = {}
+
+    def fits(i: int) -> bool:
+        # Block by block, the floor search is the cheaper test; flat, a
+        # node-limited search at the budget, then the floor.  The rung's memo
+        # keeps its floor plan, so a budget at or above the floor is then
+        # planned without a second search.
+        if i not in tested:
+            rung = steps[i]
+            if not lad.rung_settings(rung).decompose and rung not in m.floors:
+                try:
+                    found[i] = lad.optimize(rung, budget)
+                    tested[i] = True
+                    return True
+                except Infeasible:
+                    pass
+            tested[i] = lad.floor_of(rung) <= budget
+        return tested[i]
+
+    def plan(i: int) -> OptimizeResult:
+        return found.get(i) or lad.optimize(steps[i], budget, prove=True)
+
+    def family_end(i: int) -> int:
+        while i + 1 < len(steps) and _family(steps[i + 1]) == _family(steps[i]):
+            i += 1
+        return i
+
+    # The BatchNorm split alone is the smallest change; then the chunks.
+    lo = 0
+    if steps[0] == (BATCHNORM_SPLIT,):
+        if fits(0):
+            return _finish(lad, plan(0), t0, budget)
+        lo = 1
+    # The fewest chunks that fit, counting up: a budget just under the
+    # graph's own floor, the usual case, needs few, and a graph of more
+    # chunks takes longer to plan.  A family whose most chunks do not fit is
+    # passed over with one test.
+    while lo < len(steps):
+        end = family_end(lo)
+        if fits(end):
+            while not fits(lo):
+                lo += 1
+            break
+        lo = end + 1
+    if lo == len(steps):
+        # Nothing fits: refuse with the lowest floor a rung reached (every
+        # family's last was tested; the last rung's need not be the lowest).
+        low = min((i for i in tested if steps[i] in m.floors), key=lambda i: (m.floors[steps[i]], i))
+        try:
+            return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
+        except Infeasible as e:
+            raise _explained(e, steps[low]) from None
+    best = plan(lo)
+    if lo + 1 <= family_end(lo) and fits(lo + 1):
+        more = plan(lo + 1)
+        if _total(more) < _total(best):
+            best = more
+    return _finish(lad, best, t0, budget)

@@ -1,0 +1,157 @@
+"""The optimizer's shape: strategies as functions of (problem, budget,
+settings, memo) with one result type, one settings object, typed solve
+records, and a memo that spares a second search without changing a plan."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import remat_ir
+from remat_ir.check.verify import verify
+from remat_ir.ir.printer import format_program
+from remat_ir.optimize import ladder, search
+from remat_ir.optimize.milp import COMBINE, FLAT, OPTION
+from remat_ir.optimize.search import Infeasible, Memo, OptimizeResult, Problem, Settings, unoptimized_peak
+
+SCOPE = "activations"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from remat_ir.pipeline import trace_builtin
+
+    return trace_builtin("gpt2-tiny", fake=True)
+
+
+@pytest.fixture(scope="module")
+def stacked():
+    """Eight identical residual blocks: small for the flat search, blocks for the decomposed one."""
+    from test_optimize import stacked_program
+
+    return stacked_program(8)
+
+
+@pytest.fixture(scope="module")
+def wide_head():
+    """A one-block GPT whose vocabulary dwarfs its width: below its recompute
+    floor only the chunked loss fits."""
+    from remat_ir.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    module = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=2048, block_size=32)).train()
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 2048, (2, 32), generator=g), torch.randint(0, 2048, (2, 32), generator=g))
+    return remat_ir.compile(module, inputs)
+
+
+def test_settings_are_one_frozen_object_with_every_default():
+    fast, full = Settings.of("fast"), Settings.of("full")
+    assert fast == Settings() and full.all_windows and full.option_nodes is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.solver = "SCIP"
+    assert Settings.of("fast", solver="scip").solver == "SCIP"
+    assert Settings.of(full, time_limit=None) is full  # None: the default stands
+    with pytest.raises(TypeError, match="no such optimizer setting: flat_gapp"):
+        Settings.of("fast", flat_gapp=0.1)
+    with pytest.raises(ValueError, match="effort must be one of fast, full"):
+        Settings.of("fastest")
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time_limit must be a positive"):
+            Settings(time_limit=bad)
+    with pytest.raises(ValueError, match="combine"):
+        Settings(combine="greedy")
+
+
+def test_a_scope_passed_where_settings_go_is_refused(tiny):
+    with pytest.raises(TypeError, match="scope="):
+        search.optimize(tiny, 10 ** 9, "activations")
+
+
+@pytest.mark.slow
+def test_every_strategy_returns_the_one_result_type(stacked):
+    problem, settings = Problem.of(stacked, SCOPE), Settings.of("fast")
+    budget = int(0.6 * unoptimized_peak(stacked, SCOPE))
+    results = [search.flat(problem, budget, settings, Memo()), search.decomposed(problem, budget, settings, Memo()),
+               search.optimize(problem, budget, settings, Memo()), search.floor(problem, settings, Memo()),
+               ladder.optimize(stacked, budget, settings, ladder.LadderMemo(), scope=SCOPE),
+               ladder.floor(stacked, settings, ladder.LadderMemo(), scope=SCOPE)]
+    for r in results:
+        assert isinstance(r, OptimizeResult)
+        assert r.program.header.budget.scope == SCOPE
+        v = verify(r.program)
+        assert v.ok and v.report.activation_peak_bytes == r.predicted_peak
+    assert {r.mode for r in results[:2]} == {"flat", "decomposed"}
+    assert all(r.predicted_peak <= budget for r in results[:3])
+
+
+def test_solve_records_are_typed(tiny, stacked):
+    budget = int(0.6 * unoptimized_peak(tiny, SCOPE))
+    flat = search.flat(tiny, budget, scope=SCOPE)
+    assert {r.kind for r in flat.solves} == {FLAT}
+    assert [r.round for r in flat.solves] == list(range(1, len(flat.solves) + 1))
+    assert all(isinstance(r.rows, int) and r.rows >= 1 and r.method == "MILP" for r in flat.solves)
+    assert all(r.nodes in (Settings().first_round_nodes, Settings().round_nodes) for r in flat.solves)
+    dec = search.decomposed(stacked, int(0.6 * unoptimized_peak(stacked, SCOPE)), scope=SCOPE)
+    kinds = {r.kind for r in dec.solves}
+    assert {OPTION, COMBINE} <= kinds
+    assert any(r.kind == COMBINE and r.method == "DP" for r in dec.solves)
+    assert all(r.seconds >= 0 and r.status for r in dec.solves)
+    assert "round 1" in flat.solves[0].name and flat.solves[0].name.startswith("flat budget")
+
+
+def test_a_memo_serves_the_next_search_and_never_another_problem(stacked):
+    tiny = stacked
+    problem, settings = Problem.of(tiny, SCOPE), Settings.of("fast")
+    budget = int(0.6 * unoptimized_peak(tiny, SCOPE))
+    memo = Memo()
+    first = search.decomposed(problem, budget, settings, memo)
+    again = search.decomposed(problem, budget, settings, memo)
+    assert format_program(again.program) == format_program(first.program)
+    assert len([r for r in again.solves if r.kind == OPTION]) < len([r for r in first.solves if r.kind == OPTION])
+    # A fresh memo makes the same plan: the memo only saves work.
+    cold = search.decomposed(Problem.of(tiny, SCOPE), budget, settings, Memo())
+    assert format_program(cold.program) == format_program(first.program)
+    with pytest.raises(ValueError, match="another problem or other settings"):
+        search.decomposed(Problem.of(tiny, SCOPE), budget, settings, memo)
+    with pytest.raises(ValueError, match="another problem or other settings"):
+        search.decomposed(problem, budget, Settings.of("full"), memo)
+    # Given the program rather than the problem, the memo's own problem is used.
+    assert search.floor(tiny, settings, memo, scope=SCOPE).predicted_peak == memo.floor.plan.peak
+
+
+def test_the_floor_is_searched_once_per_memo(tiny):
+    memo = Memo()
+    f = search.floor(tiny, memo=memo, scope=SCOPE)
+    assert f.solves and f.budget is None
+    again = search.floor(tiny, memo=memo, scope=SCOPE)
+    assert again.solves == [] and again.predicted_peak == f.predicted_peak
+    at_floor = search.optimize(tiny, f.predicted_peak, memo=memo, scope=SCOPE)
+    assert at_floor.solves == [] and format_program(at_floor.program).split("\n", 3)[3] == \
+        format_program(f.program).split("\n", 3)[3]
+
+
+def test_the_ladder_searches_no_rung_twice(wide_head):
+    memo = ladder.LadderMemo()
+    f = ladder.floor(wide_head, memo=memo, scope=SCOPE)
+    assert f.program.header.rewrites and f.stages  # below the graph's own floor: a rewrite
+    assert set(memo.floors) >= {()}
+    at_floor = ladder.optimize(wide_head, f.predicted_peak, memo=memo, scope=SCOPE)
+    assert at_floor.solves == [] and at_floor.program.header.rewrites == f.program.header.rewrites
+    own = memo.floors[()]
+    r = ladder.optimize(wide_head, own - 1, memo=memo, scope=SCOPE)
+    assert r.predicted_peak <= own - 1 and r.program.header.rewrites
+    assert not any(k.startswith("floor of the graph") for k in r.stages)  # its floor was known
+    with pytest.raises(Infeasible):  # exact: no chunks
+        ladder.optimize(wide_head, own - 1, memo=ladder.LadderMemo(), scope=SCOPE, exact=True)
+    with pytest.raises(ValueError, match="another program, scope or setting"):
+        ladder.optimize(wide_head, own - 1, memo=memo, scope=SCOPE, exact=True)
+
+
+def test_the_problem_carries_the_scope(tiny):
+    total = Problem.of(tiny, "total")
+    r = search.optimize(total, unoptimized_peak(tiny, "total"), scope=None)
+    assert r.scope == "total" and r.mode == "none"
+    with pytest.raises(ValueError, match="in scope total"):
+        search.optimize(total, 10 ** 9, scope="activations")
