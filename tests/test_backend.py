@@ -32,11 +32,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def gpt(layers=4, dropout=0.1, vocab=256, batch=8, seq=64, seed=0):
-    """A gpt2-tiny-sized GPT (d=128, 4 heads) and a batch: (model, (idx, targets))."""
+def gpt(layers=4, dropout=0.1, vocab=64, batch=16, seq=64, width=64, seed=0):
+    """A gpt2-tiny-sized GPT (4 heads) and a batch: (model, (idx, targets)).
+    Narrow and with a small vocabulary, so that activations, not the
+    gradients a compiled backward holds until it returns, set the floor, and
+    a budget of 0.3 is above it."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=128, vocab_size=vocab, block_size=seq,
+        model = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=width, vocab_size=vocab, block_size=seq,
                               dropout=dropout)).train()
     g = torch.Generator().manual_seed(seed + 1)
     idx = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -106,7 +109,7 @@ def check_plan_file(plan, tmp_path=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget,dropout", [(0.7, 0.1), ("0.5", 0.1), (0.3, 0.0)])
+@pytest.mark.parametrize("budget,dropout", [(0.7, 0.1), ("0.5", 0.0), (0.3, 0.1)])
 def test_aot_eager_bitwise_and_predicted_peak(budget, dropout, tmp_path):
     model, inputs = gpt(dropout=dropout)
     be = remat_ir.backend(budget=budget, inner="aot_eager", plan_dir=tmp_path)
@@ -116,16 +119,21 @@ def test_aot_eager_bitwise_and_predicted_peak(budget, dropout, tmp_path):
     # The plan fits its budget (a fraction of the region's unoptimized activation peak).
     assert plan.header.budget is not None and plan.header.budget.scope == "activations"
     assert simulate(plan).activation_peak_bytes <= plan.header.budget.bytes
+    recomputed = {i.target for i in plan.backward if i.kind == "recompute"}
     if float(budget) < 0.7:
-        assert any(i.kind == "recompute" for i in plan.backward), "a low budget recomputes"
-    check_memory(model, compiled, inputs, plan)
+        assert recomputed, "a low budget recomputes"
+    random = [n.name for n in plan.nodes if n.random and n.name in recomputed]
+    print(f"budget {budget}: {len(recomputed)} nodes recomputed, {len(random)} of them random (replayed)")
+    figures = check_memory(model, compiled, inputs, plan)
+    print(f"budget {budget}: predicted / measured bytes above the baseline: without .grad "
+          f"{figures[0]} / {figures[1]}, with .grad {figures[2]} / {figures[3]}")
     check_plan_file(plan)
     saved = load_plan(be.paths[0])
     assert format_program(saved) == format_program(plan)
 
 
 def test_budget_below_the_floor_names_it():
-    model, inputs = gpt(layers=1, vocab=128, batch=2, seq=32)
+    model, inputs = gpt(layers=1, batch=2, seq=32)
     be = remat_ir.backend(budget="1KiB", inner="aot_eager")
     compiled = torch.compile(model, backend=be, dynamic=False)
     with pytest.raises(Exception) as info:
@@ -184,7 +192,7 @@ def test_graph_break_gives_a_plan_per_region(tmp_path):
 @pytest.mark.slow
 def test_inductor_step_within_tolerance():
     pytest.importorskip("torch._inductor")
-    model, inputs = gpt(layers=1, dropout=0.0, vocab=128, batch=4, seq=32)
+    model, inputs = gpt(layers=1, dropout=0.0, batch=4, seq=32)
     eager = copy.deepcopy(model)
     be = remat_ir.backend(budget=0.6, inner="inductor")
     compiled = torch.compile(model, backend=be, dynamic=False)
