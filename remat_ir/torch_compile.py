@@ -85,7 +85,9 @@ class Backend:
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs,
-                          config_patches={"custom_partitioner_fn": _inductor_partitioner(self, primals)})
+                          config_patches={"custom_partitioner_fn": _inductor_partitioner(self, primals),
+                                          # each compile plans: no graph cache keyed on the partitioner
+                                          "fx_graph_cache": False})
 
     # ------------------------------------------------------------ the partition
 

@@ -174,6 +174,7 @@ class TwoHalves(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.b(h), y)
 
 
+@pytest.mark.slow
 def test_graph_break_gives_a_plan_per_region(tmp_path):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -192,9 +193,9 @@ def test_graph_break_gives_a_plan_per_region(tmp_path):
 @pytest.mark.slow
 def test_inductor_step_within_tolerance():
     pytest.importorskip("torch._inductor")
-    model, inputs = gpt(layers=1, dropout=0.0, batch=4, seq=32)
+    model, inputs = gpt(layers=2, dropout=0.0, seq=32)
     eager = copy.deepcopy(model)
-    be = remat_ir.backend(budget=0.6, inner="inductor")
+    be = remat_ir.backend(budget=0.7, inner="inductor")
     compiled = torch.compile(model, backend=be, dynamic=False)
     loss = compiled(*inputs)
     loss.backward()

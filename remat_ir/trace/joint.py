@@ -172,6 +172,7 @@ def joint_program(joint: fx.GraphModule, primals: list[Primal], num_fwd_outputs:
     g.output(([env[r] if isinstance(r, fx.Node) else r for r in results],
               [env[x] if isinstance(x, fx.Node) else x for x in wrt_grads]))
     copy = fx.GraphModule(joint, g)
+    _refresh_values(copy)
     _, spec = pytree.tree_flatten([0] * len(results))
     program = _to_program(copy, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                           False, model_name)
@@ -182,6 +183,22 @@ def joint_program(joint: fx.GraphModule, primals: list[Primal], num_fwd_outputs:
             if key in c.meta:
                 n.meta[key] = c.meta[key]
     return program
+
+
+def _refresh_values(gm: fx.GraphModule) -> None:
+    """Run `gm` on its placeholders' fake tensors again, so that every node's
+    `meta["val"]` is what the op returns, views sharing their base's storage
+    (a graph pass, such as inductor's joint-graph passes, may leave a view's
+    value a tensor of its own)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    args = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(args)
+    if mode is None:
+        return
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
 
 
 def hold_gradients(joint: fx.GraphModule, num_fwd_outputs: int) -> None:
