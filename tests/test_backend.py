@@ -132,6 +132,7 @@ def test_aot_eager_bitwise_and_predicted_peak(budget, dropout, tmp_path):
     assert format_program(saved) == format_program(plan)
 
 
+@pytest.mark.slow
 def test_budget_below_the_floor_names_it():
     model, inputs = gpt(layers=1, batch=2, seq=32)
     be = remat_ir.backend(budget="1KiB", inner="aot_eager")
@@ -205,3 +206,46 @@ def test_inductor_step_within_tolerance():
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=f"gradient of {name}")
+
+
+@pytest.mark.slow
+def test_transformers_llama_called_with_keywords():
+    """The small transformers Llama (attention mask, labels), called as users
+    call it: one region, bitwise gradients, the predicted activation peak."""
+    pytest.importorskip("transformers")
+    from remat_ir.models import families
+
+    model, kwargs = families.llama(0)
+    model.train()
+    eager = copy.deepcopy(model)
+    be = remat_ir.backend(budget=0.7, inner="aot_eager")
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    for step in range(2):
+        losses = []
+        for run in (eager, compiled):
+            torch.manual_seed(step)
+            out = run(**kwargs)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+        assert torch.equal(*losses)
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: the gradient of {name} differs from eager's"
+    assert len(be.plans) == 1
+    plan = be.plans[0]
+    names = {v.name for v in plan.values}
+    assert "input_ids" in names and "model.embed_tokens.weight" in names, sorted(names)[:8]
+    check_plan_file(plan)
+    params = list(model.parameters())
+
+    def step():
+        torch.manual_seed(9)
+        out = compiled(**kwargs)
+        out.loss.backward()
+        return out.loss.detach()
+
+    tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    mem = measure_step(step, pre_existing={"params": params, "buffers": list(model.buffers()), "inputs": tensors,
+                                           "grads": [p.grad for p in params]})
+    predicted = simulate(plan, grads_present=True).activation_peak_bytes
+    print(f"llama budget 0.7: predicted / measured activation peak {predicted} / {mem.peak_above_baseline}")
+    assert matches(predicted, mem.peak_above_baseline), (predicted, mem.peak_above_baseline)

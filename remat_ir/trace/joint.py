@@ -46,14 +46,14 @@ class Primal:
     example: torch.Tensor
 
 
-_TOKEN = re.compile(r"\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[(\d+)\]|\.?([A-Za-z_]\w*)")
+_TOKEN = re.compile(r"\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[(\d+)\]|\.?(\w+)")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
 
 
 def path_of(source: str) -> list[str]:
     """The parts of a dynamo source name, without its root and the
     nn.Module containers: "L['self']._modules['h']._modules['0']._parameters['weight']"
-    and "L['self'].h[0].weight" both give ["self", "h", "0", "weight"]."""
+    "L['self'].h[0].weight" and "L['self'].h.0.weight" give ["self", "h", "0", "weight"]."""
     parts = []
     for m in _TOKEN.finditer(source):
         tok = next(g for g in m.groups() if g is not None)
@@ -97,10 +97,22 @@ def primals_of(gm: fx.GraphModule, example_inputs) -> list[Primal]:
             kind = BUFFER
         else:
             kind = INPUT
-        if kind != INPUT and parts and parts[0] == "self":
-            parts = parts[1:]
+        if kind == INPUT:
+            parts = parts[1:] if parts[:1] == ["kwargs"] else parts
+        else:
+            parts = _without_self(parts)
         out.append(Primal(kind, clean_name(parts, n.name), x))
     return out
+
+
+def _without_self(parts: list[str]) -> list[str]:
+    """A path without the module itself at its root: `self`, or `args[0]`
+    where a decorator of the forward passes it on positionally."""
+    if parts[:1] == ["self"]:
+        return parts[1:]
+    if parts[:2] == ["args", "0"]:
+        return parts[2:]
+    return parts
 
 
 def module_path(stack: dict | None) -> str:
@@ -110,9 +122,7 @@ def module_path(stack: dict | None) -> str:
         return ""
     value = list(stack.values())[-1]
     text = value[0] if isinstance(value, tuple) else str(value)
-    parts = path_of(text)
-    if parts and parts[0] == "self":
-        parts = parts[1:]
+    parts = _without_self(path_of(text))
     return clean_name(parts, "")
 
 
@@ -174,8 +184,11 @@ def joint_program(joint: fx.GraphModule, primals: list[Primal], num_fwd_outputs:
     copy = fx.GraphModule(joint, g)
     _refresh_values(copy)
     _, spec = pytree.tree_flatten([0] * len(results))
-    program = _to_program(copy, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
-                          False, model_name)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the partitioner runs in AOTAutograd's fake mode; constants are real
+        program = _to_program(copy, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
+                              False, model_name)
     program.header.comment.append("the joint graph of a torch.compile region (AOTAutograd)")
     program.header.fingerprint = fingerprint(program)
     for n, c in env.items():
