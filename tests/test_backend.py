@@ -149,6 +149,17 @@ def test_budget_below_the_floor_names_it():
     assert floor > 1024 and str(floor) in msg
 
 
+def test_names_from_dynamo_sources():
+    from remat_ir.trace.joint import module_path, path_of
+
+    assert path_of("L['self']._modules['h']._modules['0']._parameters['weight']") == ["self", "h", "0", "weight"]
+    assert path_of("L['self'].h[0].weight") == ["self", "h", "0", "weight"]
+    assert path_of("L['kwargs']['input_ids']") == ["kwargs", "input_ids"]
+    assert module_path({"k": ("L['self'].transformer.h.0.attn", object)}) == "transformer.h.0.attn"
+    assert module_path({"k": ("L['args'][0].model.layers.1.mlp", object)}) == "model.layers.1.mlp"
+    assert module_path({}) == ""
+
+
 def test_bad_arguments_are_refused_before_compiling():
     with pytest.raises(ValueError, match="inner"):
         remat_ir.backend(budget=0.5, inner="eager")
