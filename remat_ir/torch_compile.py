@@ -15,8 +15,10 @@ Each compiled region gets its own plan (`Backend.plans`, and `.rir` files in
 `plan_dir`); a fraction budget is a fraction of that region's unoptimized
 activation peak.  A random op (dropout) the plan recomputes in backward
 replays the RNG state forward drew it with (aot_eager), as the interpreter
-does; with inductor, whose kernels draw from their own generator, random ops
-are not recomputed (a plan that would is refused with a message).
+does.  Inductor's dropout is `inductor_random` over seeds drawn once in
+forward, which recomputes to the same numbers; an op that draws from a
+generator is not replayed under inductor (a plan that recomputes one is
+refused with a message).
 """
 from __future__ import annotations
 
@@ -196,8 +198,8 @@ def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *,
     recomputed = [ins.target for ins in plan.backward if ins.kind == RECOMPUTE]
     random = [t for t in recomputed if pnodes[t].random]
     if random and not replay:
-        raise BackendError(f"the plan recomputes random ops ({', '.join(random)}); with inductor a "
-                           "recomputed random op would draw other numbers: raise the budget")
+        raise BackendError(f"the plan recomputes random ops ({', '.join(random)}), which this backend "
+                           "replays only with inner=\"aot_eager\": raise the budget")
     position = {n: i for i, n in enumerate(graph.nodes)}
     saved = [by_value[v] for v in saved_values(plan)]
     # The RNG state each recomputed random op was drawn with, saved for backward.

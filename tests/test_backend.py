@@ -260,3 +260,27 @@ def test_transformers_llama_called_with_keywords():
     predicted = simulate(plan, grads_present=True).activation_peak_bytes
     print(f"llama budget 0.7: predicted / measured activation peak {predicted} / {mem.peak_above_baseline}")
     assert matches(predicted, mem.peak_above_baseline), (predicted, mem.peak_above_baseline)
+
+
+@pytest.mark.slow
+def test_inductor_dropout_recomputed_from_its_seed():
+    """Inductor draws dropout as `inductor_random(seed)` from seeds drawn
+    once in forward: the plan may recompute it (the same numbers), and the
+    gradients are stock inductor's (same seeds), within tolerance."""
+    pytest.importorskip("torch._inductor")
+    model, inputs = gpt(layers=2, dropout=0.1, seq=32)
+    stock_model = copy.deepcopy(model)
+    be = remat_ir.backend(budget=0.5, inner="inductor")
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    stock = torch.compile(stock_model, backend="inductor", dynamic=False)
+    losses = []
+    for run in (compiled, stock):
+        torch.manual_seed(3)
+        loss = run(*inputs)
+        loss.backward()
+        losses.append(loss.detach())
+    recomputed = {i.target for i in be.plans[0].backward if i.kind == "recompute"}
+    assert any("inductor_random" in r for r in recomputed), sorted(recomputed)[:10]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), stock_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=f"gradient of {name}")

@@ -178,6 +178,9 @@ def joint_program(joint: fx.GraphModule, primals: list[Primal], num_fwd_outputs:
         c.meta = dict(n.meta)
         path = module_path(n.meta.get("nn_module_stack"))
         c.meta["nn_module_stack"] = {path: (path, "")} if path else {}
+        # A node without an autograd sequence number (one a graph pass made) gets
+        # one of its own, so the tracer names it after its module or operands.
+        c.meta.setdefault("seq_nr", -2 - len(env))
         env[n] = c
     g.output(([env[r] if isinstance(r, fx.Node) else r for r in results],
               [env[x] if isinstance(x, fx.Node) else x for x in wrt_grads]))
