@@ -230,6 +230,16 @@ def hold_gradients(joint: fx.GraphModule, num_fwd_outputs: int) -> None:
     out_node = next(n for n in graph.nodes if n.op == "output")
     flat = list(out_node.args[0])
     alias = torch.ops.aten.alias.default
+    for i in range(num_fwd_outputs):
+        # A region that returns one of its inputs: the program's results are
+        # computed values, so it returns a view of it (AOTAutograd's runtime
+        # rebuilds such an output from the input itself).
+        r = flat[i]
+        if isinstance(r, fx.Node) and r.op == "placeholder" and isinstance(r.meta.get("val"), torch.Tensor):
+            with graph.inserting_before(out_node):
+                a = graph.call_function(alias, (r,))
+            a.meta = {"val": alias(r.meta["val"]), "partitioner_tag": "is_forward"}
+            flat[i] = a
     for i in range(num_fwd_outputs, len(flat)):
         g = flat[i]
         if not isinstance(g, fx.Node) or (g.target is alias and g.meta.get("remat_hold")):
