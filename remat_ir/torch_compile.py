@@ -106,10 +106,11 @@ class Backend:
             # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
             plan = fit(program, self.budget, scope=self.scope, exact=True)
         except Infeasible as e:
+            floor = (f"{e.floor_bytes} bytes ({e.floor_bytes / 2**20:.2f} MiB)" if e.floor_bytes
+                     else "unknown (the search found no plan)")
             raise BackendError(
-                f"{name}: budget {self.budget!r} is below the floor of this region, "
-                f"{e.floor_bytes} bytes ({e.floor_bytes / 2**20:.2f} MiB) in scope {self.scope} "
-                f"(a fraction budget is per compiled region): {e}") from e
+                f"{name}: budget {self.budget!r} is below the floor of this region, {floor}, "
+                f"in scope {self.scope} (a fraction budget is per compiled region): {e}") from e
         if plan.header.rewrites:
             raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
                                f"the plan would rewrite the graph ({', '.join(plan.header.rewrites)}), which "
