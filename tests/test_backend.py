@@ -309,3 +309,16 @@ def test_region_returning_its_input():
     assert same is x
     assert torch.equal(model.lin.weight.grad, eager.lin.weight.grad)
     check_plan_file(be.plans[0])
+
+
+@pytest.mark.slow
+def test_dynamic_shapes_are_refused_with_the_way_out():
+    """A second sequence length makes dynamo recompile the region with symbolic
+    sizes, which this version refuses, saying to compile with dynamic=False."""
+    model, (idx, targets) = gpt(layers=1, dropout=0.0)
+    be = remat_ir.backend(budget=0.9)
+    compiled = torch.compile(model, backend=be)
+    compiled(idx, targets).backward()
+    with pytest.raises(Exception, match="dynamic=False"):
+        compiled(idx[:, :32].contiguous(), targets[:, :32].contiguous()).backward()
+    assert len(be.plans) == 1
