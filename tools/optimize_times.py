@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple
 
 from remat_ir.ir.printer import format_program, human_bytes
 from remat_ir.ir.types import SCOPES
-from remat_ir.optimize import search
+from remat_ir.optimize import ladder, search
 from remat_ir.optimize.milp import FLAT
 from remat_ir.optimize.pareto import sweep
 from remat_ir.optimize.problem import Problem, Settings
@@ -162,6 +162,10 @@ CASES = [
     Case("Llama-2-70B shapes, 8 layers (fake)", llama_70b_shapes(8), (0.3,), 15.0),
     Case("Llama-2-70B shapes, 32 layers (fake)", llama_70b_shapes(32), (0.3,), 15.0),
     Case("Llama-2-70B shapes, 80 layers (fake)", llama_70b_shapes(80), (0.3,), 15.0),
+    # Below the recompute floor: the rewrite ladder (its floor, and a budget under the graph's own floor).
+    Case("gpt2-mid, rewrite ladder (fake)", builtin("gpt2-mid", fake=True), (FLOOR, 0.25), 20.0, ladder),
+    Case("GPT-2 medium 4x512, rewrite ladder (fake)", builtin("gpt2-medium", fake=True, batch=4, seq=512),
+         (FLOOR,), 20.0, ladder),
 ]
 
 # GPT-2 small and medium at batch 4 x 512 under fake tensors: the floor and three budgets.

@@ -34,20 +34,43 @@ from remat_ir.optimize.problem import Option, Plan, Run
 def ensure_options(run: Run, floor_only: bool = False) -> None:
     """Every block class's options in the memo: the ones the floor needs
     (the extremes and the least-peak options), or (`floor_only` False) the
-    full set a budget's combine chooses from."""
+    full set a budget's combine chooses from.  A class another graph of the
+    same model already solved (`Memo.shared`: the rungs of the rewrite
+    ladder share their blocks) starts from that graph's options, mapped by
+    node name, and is not solved again."""
     d = run.problem.decomposition
     memo = run.memo
+    fwd = run.a.fwd
     for sig, inst in d.classes.items():
         canon = inst[0]
         if not canon.decisions:
             if canon.index not in memo.options:
                 evaluate_options(run, canon, inst, [frozenset()])
             continue
-        if canon.index not in memo.options:
-            evaluate_options(run, canon, inst, floor_options(run, canon))
-        if not floor_only and sig not in memo.classes_with_budget_options:
-            memo.classes_with_budget_options.add(sig)
-            evaluate_options(run, canon, inst, budget_options(run, canon))
+        key = (sig, tuple(fwd[i].name for i in canon.nodes))
+        seen = memo.shared.setdefault(key, {}) if memo.shared is not None else {}
+        index = {fwd[i].name: i for i in canon.nodes}
+        for kind, make, wanted in (("floor", floor_options, True), ("budget", budget_options, not floor_only)):
+            done = canon.index in memo.options if kind == "floor" else sig in memo.classes_with_budget_options
+            if done or not wanted:
+                continue
+            if kind in seen:
+                opts = [frozenset(index[n] for n in names) for names in seen[kind]]
+                if kind == "floor":
+                    least = {k: None if v is None else frozenset(index[n] for n in v)
+                             for k, v in seen["extremes"].items()}
+                    memo.extremes[sig] = dict(least, peak=None if least["least peak"] is None
+                                              else local_peak(run, canon, least["least peak"]))
+            else:
+                opts = make(run, canon)
+                seen[kind] = [frozenset(fwd[i].name for i in o) for o in opts]
+                if kind == "floor":
+                    seen["extremes"] = {k: None if memo.extremes[sig][k] is None
+                                        else frozenset(fwd[i].name for i in memo.extremes[sig][k])
+                                        for k in ("least kept", "least peak")}
+            if kind == "budget":
+                memo.classes_with_budget_options.add(sig)
+            evaluate_options(run, canon, inst, opts)
 
 
 def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None, R=None, gap=None):
@@ -150,7 +173,10 @@ def budget_options(run: Run, canon: Segment) -> list[frozenset]:
             kept, _ = solve_class(run, canon, "cost", f"kept<={human_bytes(levels[i])}", R=levels[i] + 0.5)
             if kept is not None:
                 opts.append(frozenset(kept))
-        if p_ok and i < st.peak_levels:
+        # The first peak level would be the least peak itself, the hardest
+        # MILP of all, whose cheap plan the least-peak MILP (its objective
+        # breaks ties by cost) already gave.
+        if p_ok and 0 < i < st.peak_levels:
             pcap = p_min + (p_all - p_min) * (i / st.peak_levels) ** st.level_power
             kept, _ = solve_class(run, canon, "cost", f"peak<={human_bytes(pcap)}", B=pcap * (1 + 1e-6) + 4096)
             if kept is not None:

@@ -28,7 +28,9 @@ cost model) wins, the fewer chunks on a tie.
 settings and a `LadderMemo`: each rung's rewritten graph, problem and memo
 (its block options, learned rows and floor), and the floors found, so a
 rung searched once (for the floor, or an earlier budget) is not searched
-again.
+again; and the rungs share their blocks' options (the transformer blocks
+are the same in every rung: only the head or the attention changes), so a
+block class solved for one rung is not solved for the next.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class LadderMemo:
     settings: dict[tuple, Settings] = field(default_factory=dict)  # rung -> the settings it is planned with
     floors: dict[tuple, int] = field(default_factory=dict)  # rung -> its floor, once searched
     floor_rung: tuple | None = None  # the rung of the ladder's floor (`floor`), once searched
+    blocks: dict = field(default_factory=dict)  # block options, shared by every rung (`Memo.shared`)
     bound_to: tuple | None = None
 
     def bind(self, program: Program, scope: str, exact: bool, settings: Settings) -> LadderMemo:
@@ -121,7 +124,7 @@ class _Ladder:
 
     def _call(self, what: str, rung: tuple, fn, *args, **kw) -> OptimizeResult:
         t0 = time.perf_counter()
-        memo = self.memo.memos.setdefault(rung, Memo())
+        memo = self.memo.memos.setdefault(rung, Memo(shared=self.memo.blocks))
         try:
             r = fn(self.problem(rung), *args, self.rung_settings(rung), memo, log=self.log, **kw)
         finally:

@@ -56,7 +56,7 @@ class Settings:
     floor_rows_per_round: int = 32
     budget_rows_per_round: int = 4
     rows_apart: int = 2  # ... events apart where it can
-    peak_rows_per_round: int = 16  # a block's least-peak option MILPs
+    peak_rows_per_round: int = 8  # a block's least-peak option MILPs
 
     # The decomposed search (blocks, their options, a combine).
     option_nodes: int | None = 500  # per option MILP of a block
@@ -65,7 +65,7 @@ class Settings:
     option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
     # Least-peak option MILPs (hard to prove) only set where the peak levels
     # start; the floor solves them again to `option_gap`.
-    peak_gap: float = 1e-2
+    peak_gap: float = 5e-2
     kept_levels: int = 5  # option levels of bytes kept into backward ...
     peak_levels: int = 4  # ... and of a block's transient peak,
     level_power: float = 1.5  # ... spaced by this power (denser near the least)
@@ -210,6 +210,9 @@ class Memo:
     extremes: dict[str, dict] = field(default_factory=dict)  # block class -> its least-kept and least-peak plans
     floor_options_proven: bool = False  # the least-peak option MILPs solved again to the option gap
     floor: Floor | None = None
+    # Block options by (class signature, node names), shared by the memos of
+    # graphs that hold the same blocks (the rewrite ladder's rungs); None: not shared.
+    shared: dict | None = None
     bound_to: tuple | None = None  # (problem, settings) of the first use
 
     def bind(self, problem: Problem, settings: Settings) -> Memo:
