@@ -372,16 +372,30 @@ class Analysis:
                     last[r] = pw
         return last
 
-    def intervals(self, keep: list[bool], f: dict[int, int] | None = None):
+    def intervals(self, keep: list[bool], f: dict[int, int] | None = None, storages=None):
         """(start, end) backward positions of each decided storage (start -1:
-        live since forward; None when not live in backward)."""
+        live since forward; None when not live in backward), for the storages
+        indexed by `storages` (default: every one), in that order.  A value's
+        last need is its last backward read or the latest recompute of a
+        forward node that reads it (`value_needs`, asked of these storages
+        only: a block's profile asks for a few of thousands)."""
         nf = self.nf
         if f is None:
             f = self.first_needs(keep)
-        last = self.value_needs(keep, f)
+        readers = self._forward_readers()
         out = []
-        for st in self.storages:
-            end = max((last.get(a, -1) for a in st.aliases), default=-1)
+        for k in (range(len(self.storages)) if storages is None else storages):
+            st = self.storages[k]
+            end = -1
+            for a in st.aliases:
+                js = self.reads_all.get(a)
+                e = position(js[-1], nf, nf) if js else -1
+                if a in self.prod_f:
+                    for w in readers.get(a, ()):
+                        fw = f.get(w)
+                        if fw is not None:
+                            e = max(e, position(fw, w, nf))
+                end = max(end, e)
             if st.holds:
                 end = max(end, position(st.holds[-1], nf, nf))
             if keep[st.owner]:
@@ -392,6 +406,17 @@ class Analysis:
             else:
                 out.append(None)
         return out
+
+    def _forward_readers(self) -> dict[str, list[int]]:
+        """Forward value -> the forward nodes that read it (made once)."""
+        r = self.__dict__.get("_readers")
+        if r is None:
+            r = {}
+            for w, ins in enumerate(self.fin):
+                for v in dict.fromkeys(ins):
+                    r.setdefault(v, []).append(w)
+            self.__dict__["_readers"] = r
+        return r
 
     def recompute_cost(self, keep: list[bool], f: dict[int, int] | None = None) -> float:
         """Cost of the recomputes of plan `keep`, in the program's cost model."""
@@ -581,9 +606,9 @@ def profile(a: Analysis, keep: list[bool], storages, *, with_constants: bool = T
     """Exact per-record live bytes of `storages` (indices) under plan `keep`."""
     nf, nb = a.nf, a.nb
     f = a.first_needs(keep)
-    iv = a.intervals(keep, f)
+    storages = list(storages)
     sts = [a.storages[k] for k in storages]
-    ivs = [iv[k] for k in storages]
+    ivs = a.intervals(keep, f, storages)
     # Forward: retained storages count from their ASAP death to the end of forward.
     fdiff = np.zeros(nf + 1, dtype=np.int64)
     retained = 0
