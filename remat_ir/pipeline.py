@@ -51,7 +51,7 @@ from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 
 __all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "check_budget", "check_time_limit",
-           "compile", "fit", "plan_device", "trace", "trace_builtin"]
+           "compile", "fit", "optimizer_settings", "plan_device", "trace", "trace_builtin"]
 
 TIME_LIMIT = budgets.DEFAULT_TIME_LIMIT
 
@@ -124,7 +124,7 @@ def check_time_limit(time_limit) -> float:
     return budgets.check_time_limit(time_limit)
 
 
-def _settings(solver: str, effort: str, time_limit: float):
+def optimizer_settings(solver: str = "HIGHS", effort: str = "fast", time_limit: float = TIME_LIMIT):
     """The optimizer's settings for these options; ValueError (saying what
     to use) for a solver that is not installed or has no node limit, or an
     unknown effort."""
@@ -228,7 +228,7 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
         if _is_floor(budget):
             from remat_ir.optimize import ladder
 
-            r = ladder.floor(program, _settings(solver, effort, time_limit), memo, scope=scope, exact=exact)
+            r = ladder.floor(program, optimizer_settings(solver, effort, time_limit), memo, scope=scope, exact=exact)
             if stats is not None:
                 stats.add_stages(r.stages)
                 stats.solves += r.solves
@@ -281,7 +281,7 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     from remat_ir.optimize import ladder
 
-    settings = _settings(solver, effort, time_limit)
+    settings = optimizer_settings(solver, effort, time_limit)
     memo = ladder.LadderMemo() if memo is None else memo
     nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
                           stats=stats, memo=memo, exact=exact)
@@ -359,7 +359,7 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     check_budget(budget)
     check_time_limit(time_limit)
     if budget is not None:
-        _settings(solver, effort, time_limit)
+        optimizer_settings(solver, effort, time_limit)
     dims = None
     if dynamic:
         from remat_ir.trace.calls import CallError, dynamic_dims, split_call

@@ -149,7 +149,7 @@ def _refuse_work(monkeypatch):
     def work(*a, **k):
         raise AssertionError("a bad budget got as far as the pipeline's work")
 
-    for stage in ("trace", "_verified", "_settings"):
+    for stage in ("trace", "_verified", "optimizer_settings"):
         monkeypatch.setattr(pipeline, stage, work)
 
 

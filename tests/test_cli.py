@@ -403,7 +403,7 @@ def test_time_limit_api_refuses_what_is_no_positive_finite_time(monkeypatch):
     def work(*a, **k):
         raise AssertionError("a bad time limit got as far as the pipeline's work")
 
-    for stage in ("trace", "_verified", "_settings"):
+    for stage in ("trace", "_verified", "optimizer_settings"):
         monkeypatch.setattr(pipeline, stage, work)
     for limit in (-5, -5.0, 0, 0.0, float("nan"), float("inf"), float("-inf"), "60", None, True):
         for call in (lambda: remat_ir.wrap(net, budget=0.5, time_limit=limit),  # at construction

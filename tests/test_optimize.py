@@ -616,7 +616,7 @@ def test_a_backend_without_a_node_limit_is_refused():
     from remat_ir import pipeline
     from remat_ir.optimize.search import Settings
 
-    for make in (lambda: Settings(solver="GLPK_MI"), lambda: pipeline._settings("GLPK_MI", "fast", 60.0),
+    for make in (lambda: Settings(solver="GLPK_MI"), lambda: pipeline.optimizer_settings("GLPK_MI", "fast", 60.0),
                  lambda: optimize(stacked_program(2), 10 ** 9, solver="glpk_mi")):
         with pytest.raises(ValueError, match="GLPK_MI has no node limit.*use one of HIGHS"):
             make()

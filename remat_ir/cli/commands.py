@@ -176,11 +176,12 @@ def _compile(argv) -> int:
     if pareto and points < 2:
         raise CliError(f"--pareto-points must be at least 2 (the unoptimized peak and the floor), not {points}")
     if pareto or args.budget is not None:
-        from remat_ir.optimize.milp import installed_solvers
+        from remat_ir.pipeline import optimizer_settings
 
-        if args.solver.upper() not in installed_solvers():
-            raise CliError(f"--solver {args.solver} is not installed; installed MILP solvers: "
-                           f"{', '.join(installed_solvers())}")
+        try:
+            optimizer_settings(args.solver, args.effort, args.time_limit)
+        except ValueError as e:
+            raise CliError(f"--solver/--effort/--time-limit: {e}") from None
     say = (lambda *a: None) if args.quiet else print
 
     t0 = time.perf_counter()
