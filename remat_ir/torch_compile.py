@@ -38,7 +38,10 @@ INNERS = ("aot_eager", "inductor")
 
 
 class BackendError(ValueError):
-    """The backend cannot plan a region (the message says why)."""
+    """The backend cannot plan a region (the message says why); `floor_bytes`:
+    the region's floor when the budget was below it and the floor is known."""
+
+    floor_bytes: int | None = None
 
 
 def backend(budget=None, *, inner: str = "aot_eager", scope: str = DEFAULT_SCOPE,
@@ -108,9 +111,11 @@ class Backend:
         except Infeasible as e:
             floor = (f"{e.floor_bytes} bytes ({e.floor_bytes / 2**20:.2f} MiB)" if e.floor_bytes
                      else "unknown (the search found no plan)")
-            raise BackendError(
+            err = BackendError(
                 f"{name}: budget {self.budget!r} is below the floor of this region, {floor}, "
-                f"in scope {self.scope} (a fraction budget is per compiled region): {e}") from e
+                f"in scope {self.scope} (a fraction budget is per compiled region): {e}")
+            err.floor_bytes = e.floor_bytes or None
+            raise err from e
         if plan.header.rewrites:
             raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
                                f"the plan would rewrite the graph ({', '.join(plan.header.rewrites)}), which "

@@ -76,3 +76,23 @@ def test_bad_input(capsys):
     assert bench.main(["--methods", "bogus", "--model", "gpt2-tiny"]) == 2
     assert bench.main(["--model", "no-such-model"]) == 2
     assert "remat-bench: error:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_backend_rows(tmp_path):
+    # remat-ir's torch.compile backend beside torch.compile's budgets: a plan
+    # the region can meet (0.9) measured as predicted, bitwise; one below the
+    # region's floor (0.5 and 0.7 of gpt2-tiny at batch 2: the gradients a compiled
+    # backward holds to its end) is n/a with the floor, not a failure.
+    js = tmp_path / "b.json"
+    assert bench.main(["--model", "gpt2-tiny", "--steps", "1", "--budgets", "0.9,0.5", "--quiet",
+                       "--methods", "backend", "--json", str(js), "--md", str(tmp_path / "b.md")]) == 0
+    rows = {r["key"]: r for r in json.loads(js.read_text())["rows"]}
+    ok = rows["backend-0.9"]
+    assert ok["status"] == "ok" and ok["grads"] == "bitwise", ok
+    assert ok["act_peak"] < rows["eager"]["act_peak"]
+    assert matches(ok["predicted_act"], ok["act_peak"]), ok
+    assert "recomputed" in ok["extra"]
+    assert rows["backend-0.5"]["status"].startswith("n/a (infeasible: a region's floor is"), rows["backend-0.5"]
+    assert "| remat-ir backend aot_eager, budget 0.9 |" in (tmp_path / "b.md").read_text()
+    assert [s.key for s in select(method_specs([0.5]), "backend")] == ["eager", "backend-0.5"]

@@ -30,6 +30,8 @@ reference, always runs):
     ckpt-every2    ... around every second block
     sac-matmul     selective activation checkpointing per block, saving mm/addmm/bmm outputs
     compile-B      torch.compile(backend="aot_eager") with activation_memory_budget B
+    backend-B      torch.compile(backend=remat_ir.backend(B, inner="aot_eager")): remat-ir's plan
+                   of each compiled region at B x its unoptimized activation peak
     remat-plan     remat-ir's unoptimized plan (the interpreter alone)
     remat-B        remat-ir optimized at B x the unoptimized activation peak
     remat-floor    remat-ir at the smallest activation budget it can meet
@@ -65,7 +67,7 @@ from remat_ir.ir.files import write_atomically
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat-bench", description=__doc__.split("\n\n")[0],
                                 epilog="methods: eager, ckpt-all, ckpt-every2, sac-matmul, compile-B, "
-                                       "remat-plan, remat-B, remat-floor",
+                                       "backend-B, remat-plan, remat-B, remat-floor",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt2-mid", help="built-in name or .py model file (default gpt2-mid)")
     p.add_argument("--batch", type=int)
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed rounds (median; default 5)")
     p.add_argument("--methods", help="comma-separated method keys or prefixes (eager always runs)")
     p.add_argument("--budgets", default="0.7,0.5,0.3",
-                   help="activation budgets for torch.compile and remat-ir (default 0.7,0.5,0.3)")
+                   help="activation budgets for torch.compile, remat-ir and its backend (default 0.7,0.5,0.3)")
     p.add_argument("--optimizer", default="adam", choices=["none", "sgd", "adam"],
                    help="optimizer state allocated (and counted in the totals); default adam")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,

@@ -43,7 +43,7 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
             continue
         pct = f"{100 * r.act_peak / e_act:.1f}%" if e_act else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
-        if r.family == "compile" and r.first_step_s is not None and r.step_time is not None:
+        if r.family in ("compile", "backend") and r.first_step_s is not None and r.step_time is not None:
             cs = f"compile {fmt_s(max(r.first_step_s - r.step_time, 0.0))}"
         elif r.family == "remat" and r.setup_s:
             cs = f"solve {fmt_s(r.setup_s)}"
@@ -65,12 +65,19 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
                      "fractions of the unoptimized plan's activation peak; solve = wall time of resolving the "
                      "budget and optimizing (the optimizer reuses its analysis across the rows, so the first "
                      "remat-ir row pays for it).")
-    comp = [r for r in rows if r.family == "compile"]
+    if any(r.family == "backend" for r in rows):
+        notes.append("remat-ir backend: `torch.compile(backend=remat_ir.backend(B, inner=\"aot_eager\"))`, the "
+                     "torch.compile rows' inner compiler; each compiled region is planned to B x its own "
+                     "unoptimized activation peak (the plan made at the first step's compile, counted in its "
+                     "compile time); \"predicted act.\" is the simulator's activation peak for that plan. "
+                     "A compiled backward returns every gradient at its end, which raises the floor of "
+                     "parameter-heavy regions (docs/13-torch-compile.md).")
+    comp = [r for r in rows if r.family in ("compile", "backend")]
     if comp:
         notes.append("torch.compile: dynamo was reset before the compile rows; each budget compiles its own "
                      "entry function (a distinct code object) so no budget reuses another's graph while the "
                      "rows are interleaved; compile time = first step minus median step.")
-        if any(r.ok and r.grad_diff for r in comp):
+        if any(r.ok and r.grad_diff for r in comp if r.family == "compile"):
             notes.append("torch.compile gradients that differ: the budgeted partitioner recomputes "
                          "native_dropout in backward with fresh randomness on CPU (known PyTorch issue; "
                          "with dropout 0 the budgets are bitwise equal).")
@@ -96,12 +103,13 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
 
 FAMILY_STYLE = {
     "eager": ("black", "o"), "checkpoint": ("tab:blue", "s"), "sac": ("tab:purple", "D"),
-    "compile": ("tab:orange", "^"), "remat": ("tab:green", "*"),
+    "compile": ("tab:orange", "^"), "remat": ("tab:green", "*"), "backend": ("tab:olive", "P"),
 }
 
 
 def short_label(r: Row) -> str:
     s = r.label.replace("torch.compile aot_eager, ", "compile ").replace("remat-ir, ", "remat-ir ")
+    s = s.replace("remat-ir backend aot_eager, ", "backend ")
     s = s.replace("checkpoint every", "ckpt every").replace(", save matmul outputs", " (matmuls)")
     return s.replace("eager PyTorch", "eager").replace("unoptimized plan", "unoptimized")
 
@@ -156,7 +164,8 @@ def pareto_png(ctx: Context, rows: list[Row], path: str) -> None:
     for x, y, r in pts:
         color, marker = FAMILY_STYLE.get(r.family, ("gray", "o"))
         fam_label = {"eager": "eager", "checkpoint": "torch.utils.checkpoint", "sac": "selective AC",
-                     "compile": "torch.compile (aot_eager)", "remat": "remat-ir"}.get(r.family, r.family)
+                     "compile": "torch.compile (aot_eager)", "remat": "remat-ir",
+                     "backend": "remat-ir backend (aot_eager)"}.get(r.family, r.family)
         wrong = bool(r.grad_diff)  # gradients differ from eager: hollow, off the frontier
         differ |= wrong
         ax.scatter([x], [y], marker=marker, s=160 if marker == "*" else 70, zorder=3,

@@ -89,6 +89,9 @@ class Prepared:
     extra: str = ""  # a short note for the table (extra compute, ...)
     program: object = None
     result: object = None  # remat-ir: the optimizer's OptimizeResult (what it recomputes, ...)
+    # Called after the first step (a torch.compile backend plans when it compiles):
+    # fills the prediction and notes made then.
+    late: Callable[["Prepared"], None] | None = None
 
 
 @dataclass
@@ -349,6 +352,9 @@ def measure(ctx: Context, spec: MethodSpec, ref_grads, log) -> tuple[Row, Prepar
         opt_state = optimizer_state(prep.module, ctx.args.optimizer)
         # Step 1, from .grad = None, same seed as the eager reference.
         got, row.first_step_s = first_step(prep.module, prep.step, ctx.args.seed, dev)
+        if prep.late is not None:
+            prep.late(prep)
+            row.predicted_total, row.predicted_act, row.extra = prep.predicted_total, prep.predicted_act, prep.extra
         if ref_grads is None:
             row.grads = "-"
         else:
@@ -374,6 +380,14 @@ def measure(ctx: Context, spec: MethodSpec, ref_grads, log) -> tuple[Row, Prepar
     except Unavailable as e:
         row.status = f"n/a ({e})"
     except Exception as e:  # noqa: BLE001 - one method failing must not sink the table
+        while type(e).__name__ == "BackendCompilerFailed" and getattr(e, "inner_exception", None) is not None:
+            e = e.inner_exception  # dynamo's wrapper: the backend's own error says why
+        if type(e).__name__ == "BackendError":
+            fb = getattr(e, "floor_bytes", None)
+            row.status = (f"n/a (infeasible: a region's floor is {mib(fb)})" if fb
+                          else f"n/a ({str(e).split(':')[0]}: {str(e).split(': ', 1)[-1][:160]})")
+            log(f"  {spec.key:<14} {row.status}")
+            return row, None
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         row.status = f"failed: {type(e).__name__}: {msg[:160]}"
     log(f"  {spec.key:<14} {row.status}")

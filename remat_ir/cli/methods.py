@@ -1,7 +1,7 @@
 """The methods remat-bench measures side by side: its peers (eager PyTorch,
 torch.utils.checkpoint around the model's blocks, selective activation
 checkpointing, torch.compile's activation_memory_budget) and remat-ir's
-plans, each prepared on a fresh copy of the model (`remat_ir.cli.measure.Context`)
+plans (run by its interpreter, and by its torch.compile backend), each prepared on a fresh copy of the model (`remat_ir.cli.measure.Context`)
 as a `Prepared` step.
 
 Blocks are ``model.transformer.h`` (also found one level down, e.g.
@@ -177,6 +177,31 @@ def prep_compile(ctx: Context, budget: float) -> Prepared:
     return Prepared(m, step)
 
 
+def prep_backend(ctx: Context, budget: float) -> Prepared:
+    """remat-ir's torch.compile backend (`remat_ir.backend`) at `budget`, with
+    the torch.compile rows' inner compiler (aot_eager): each compiled region
+    planned to `budget` x its own unoptimized activation peak.  The plan is
+    made at the first step's compile; `Prepared.late` reads its prediction."""
+    from remat_ir.check.simulate import simulate
+    from remat_ir.torch_compile import backend
+
+    m = ctx.fresh()
+    be = backend(budget, inner="aot_eager", model_name=ctx.name)
+    compiled = torch.compile(fresh_caller(m, f"backend {budget}"), backend=be, fullgraph=True, dynamic=False)
+
+    def late(prep: Prepared) -> None:
+        if not be.plans:
+            return
+        reps = [simulate(p, grads_present=True) for p in be.plans]
+        # One region (fullgraph): its activation peak; several: an upper bound.
+        prep.predicted_act = sum(r.activation_peak_bytes for r in reps)
+        prep.program = be.plans[0] if len(be.plans) == 1 else be.plans
+        n_re = sum(1 for p in be.plans for ins in p.backward if ins.kind == "recompute")
+        prep.extra = f"{n_re} recomputed" + (f", {len(be.plans)} regions" if len(be.plans) > 1 else "")
+
+    return Prepared(m, plain_step(ctx, m, compiled), late=late)
+
+
 def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
     """`budget` (activation scope): None (unoptimized plan), a fraction string,
     bytes (int), or "floor"."""
@@ -236,6 +261,9 @@ def method_specs(budgets: list[float]) -> list[MethodSpec]:
     for b in budgets:
         specs.append(MethodSpec(f"compile-{b:g}", f"torch.compile aot_eager, budget {b:g}", "compile",
                                 functools.partial(prep_compile, budget=b)))
+    for b in budgets:
+        specs.append(MethodSpec(f"backend-{b:g}", f"remat-ir backend aot_eager, budget {b:g}", "backend",
+                                functools.partial(prep_backend, budget=b)))
     specs.append(MethodSpec("remat-plan", "remat-ir, unoptimized plan", "remat",
                             functools.partial(prep_remat, budget=None)))
     for b in budgets:
