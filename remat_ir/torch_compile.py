@@ -13,7 +13,10 @@ inner compiler ("aot_eager" or "inductor") compiles the two graphs.
 
 Each compiled region gets its own plan (`Backend.plans`, and `.rir` files in
 `plan_dir`); a fraction budget is a fraction of that region's unoptimized
-activation peak.  A random op (dropout) the plan recomputes in backward
+activation peak.  Plans are cached as `wrap` caches them (in
+`remat_ir.adopt.cache_dir()`, written atomically): a region whose joint
+graph (its program's fingerprint), options and versions match a cached plan
+loads it, verified again, instead of planning.  A random op (dropout) the plan recomputes in backward
 replays the RNG state forward drew it with (aot_eager), as the interpreter
 does.  Inductor's dropout is `inductor_random` over seeds drawn once in
 forward, which recomputes to the same numbers; an op that draws from a
@@ -45,22 +48,24 @@ class BackendError(ValueError):
 
 
 def backend(budget=None, *, inner: str = "aot_eager", scope: str = DEFAULT_SCOPE,
-            plan_dir: str | os.PathLike | None = None, model_name: str = "") -> "Backend":
+            plan_dir: str | os.PathLike | None = None, model_name: str = "", cache: bool = True) -> "Backend":
     """A `torch.compile` backend that plans each compiled region's
     recomputation to `budget` (a fraction of the region's unoptimized peak in
     `scope`, such as 0.5 or "0.5"; bytes, "1.5GiB"; None: plan nothing, the
     step as autograd runs it).  `inner` compiles the planned graphs:
     "aot_eager" (eager kernels, gradients bitwise equal to eager's) or
     "inductor".  The plans are `Backend.plans` (one per compiled region, in
-    compile order) and, with `plan_dir`, `.rir` files there."""
-    return Backend(budget, inner=inner, scope=scope, plan_dir=plan_dir, model_name=model_name)
+    compile order) and, with `plan_dir`, `.rir` files there.  `cache=False`
+    keeps plans off the plan cache (`remat_ir.adopt.cache_dir()`: the
+    directory `$REMAT_IR_CACHE`, else the user's cache directory)."""
+    return Backend(budget, inner=inner, scope=scope, plan_dir=plan_dir, model_name=model_name, cache=cache)
 
 
 class Backend:
     """See `backend`."""
 
     def __init__(self, budget=None, *, inner: str = "aot_eager", scope: str = DEFAULT_SCOPE,
-                 plan_dir=None, model_name: str = ""):
+                 plan_dir=None, model_name: str = "", cache: bool = True):
         from remat_ir.pipeline import check_budget
 
         if inner not in INNERS:
@@ -73,8 +78,11 @@ class Backend:
         self.scope = scope
         self.plan_dir = os.fspath(plan_dir) if plan_dir is not None else None
         self.model_name = model_name
+        self.cache = cache
         self.plans: list[Program] = []
         self.paths: list[str] = []
+        self.solves = 0  # regions planned by the optimizer
+        self.cached: list[str] = []  # the cache files of the regions whose plans were loaded
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         primals = primals_of(gm, example_inputs)
@@ -105,6 +113,11 @@ class Backend:
         region = len(self.plans)
         name = f"{self.model_name or 'torch.compile'} region {region}"
         program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+        path = self.cache_path(program) if self.cache else None
+        plan = _load_cached(path, program) if path is not None else None
+        if plan is not None:
+            self.cached.append(str(path))
+            return self._keep(plan, region)
         try:
             # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
             plan = fit(program, self.budget, scope=self.scope, exact=True)
@@ -116,11 +129,17 @@ class Backend:
                 f"in scope {self.scope} (a fraction budget is per compiled region): {e}")
             err.floor_bytes = e.floor_bytes or None
             raise err from e
+        self.solves += 1
         if plan.header.rewrites:
             raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
                                f"the plan would rewrite the graph ({', '.join(plan.header.rewrites)}), which "
                                "this backend does not run")
         plan.header.comment.append(f"torch.compile backend, inner compiler {self.inner}")
+        if path is not None:
+            _store(path, plan)
+        return self._keep(plan, region)
+
+    def _keep(self, plan: Program, region: int) -> Program:
         self.plans.append(plan)
         if self.plan_dir is not None:
             from remat_ir.ir.files import save_plan
@@ -131,9 +150,66 @@ class Backend:
             self.paths.append(path)
         return plan
 
+    def cache_path(self, program: Program):
+        """The plan cache's file for `program` (a region's joint graph) with
+        this backend's options: named by a hash of the program's fingerprint,
+        the budget, scope and inner compiler, and the versions of torch and
+        remat-ir."""
+        import hashlib
+        import json
+
+        from remat_ir.adopt import cache_dir
+        from remat_ir.version import __version__
+
+        facts = {"fingerprint": program.header.fingerprint, "budget": repr(self.budget), "scope": self.scope,
+                 "inner": self.inner, "exact": True, "torch": torch.__version__, "remat_ir": __version__}
+        key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+        return cache_dir() / f"torch-compile-{key}.rir"
+
     def partition(self, joint: fx.GraphModule, primals, num_fwd_outputs: int, *, replay: bool):
         plan = self.plan(joint, primals, num_fwd_outputs)
         return build_modules(joint, plan, num_fwd_outputs, replay=replay)
+
+
+def _load_cached(path, program: Program) -> Program | None:
+    """The plan at `path` when it is one for `program` (its fingerprint, the
+    graph it schedules) and verifies, else None (saying on stderr why a plan
+    found there is not used)."""
+    import sys
+
+    from remat_ir.check.verify import verify
+    from remat_ir.ir.files import load_plan
+
+    if not path.is_file():
+        return None
+    try:
+        plan = load_plan(path)
+    except (OSError, ValueError) as e:
+        print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
+        return None
+    if plan.header.fingerprint != program.header.fingerprint:
+        print(f"remat-ir: ignoring the cached plan {path}: made for another graph; planning again", file=sys.stderr)
+        return None
+    verdict = verify(plan)  # a file on disk can have been edited
+    if not verdict.ok:
+        print(f"remat-ir: ignoring the cached plan {path}: it does not verify ({verdict.errors[0]}); "
+              "planning again", file=sys.stderr)
+        return None
+    return plan
+
+
+def _store(path, plan: Program) -> None:
+    import sys
+
+    from remat_ir.ir.files import save_plan
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_plan(plan, path)  # atomically: a temporary file, then a rename
+    except OSError as e:
+        # The step still runs; only the next compile plans again.
+        print(f"remat-ir: cannot cache the plan in {path.parent} ({e}); set REMAT_IR_CACHE to a "
+              "writable directory", file=sys.stderr)
 
 
 def _inductor_partitioner(owner: Backend, primals):

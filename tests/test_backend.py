@@ -26,7 +26,9 @@ from remat_ir.runtime.run import matches
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(tmp_path_factory, monkeypatch):
+    # Each test plans from an empty plan cache of its own.
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path_factory.mktemp("plan-cache")))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -322,3 +324,48 @@ def test_dynamic_shapes_are_refused_with_the_way_out():
     with pytest.raises(Exception, match="dynamic=False"):
         compiled(idx[:, :32].contiguous(), targets[:, :32].contiguous()).backward()
     assert len(be.plans) == 1
+
+
+@pytest.mark.slow
+def test_plan_cache(capsys):
+    """A region compiled again with the same graph and options loads its plan
+    from the cache (no solve), and runs as the planned one did; other options
+    plan again; a cached file that no longer verifies is planned again."""
+    model, inputs = gpt(layers=1, batch=4)
+
+    def compile_once(budget, **kw):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        be = remat_ir.backend(budget=budget, inner="aot_eager", **kw)
+        c = torch.compile(m, backend=be, dynamic=False)
+        torch.manual_seed(3)
+        c(*inputs).backward()
+        return be, [p.grad for p in m.parameters()]
+
+    first, grads = compile_once(0.8)
+    assert first.solves == 1 and first.cached == []
+    from remat_ir.adopt import cache_dir
+
+    files = sorted(cache_dir().glob("torch-compile-*.rir"))
+    assert len(files) == 1
+    again, grads_again = compile_once(0.8)
+    assert again.solves == 0 and again.cached == [str(files[0])]
+    assert format_program(again.plans[0]) == format_program(first.plans[0])
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    # Another budget, and cache=False, plan.
+    other, _ = compile_once(0.7)
+    assert other.solves == 1 and len(list(cache_dir().glob("*.rir"))) == 2
+    off, _ = compile_once(0.8, cache=False)
+    assert off.solves == 1 and off.cached == []
+    # A cached plan edited so that it frees a value backward still reads: refused, planned again.
+    text = files[0].read_text()
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("backward"))
+    frees = [i for i, line in enumerate(lines) if i > at and line.strip().startswith("free ")]
+    assert frees, "the plan's backward frees values"
+    lines.insert(at + 1, lines[frees[-1]])  # the last value freed, freed first
+    files[0].write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    redone, _ = compile_once(0.8)
+    assert redone.solves == 1 and redone.cached == []
+    assert "does not verify" in capsys.readouterr().err

@@ -186,7 +186,8 @@ def prep_backend(ctx: Context, budget: float) -> Prepared:
     from remat_ir.torch_compile import backend
 
     m = ctx.fresh()
-    be = backend(budget, inner="aot_eager", model_name=ctx.name)
+    # No plan cache: each run plans, and the compile time counts it.
+    be = backend(budget, inner="aot_eager", model_name=ctx.name, cache=False)
     compiled = torch.compile(fresh_caller(m, f"backend {budget}"), backend=be, fullgraph=True, dynamic=False)
 
     def late(prep: Prepared) -> None:
