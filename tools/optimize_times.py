@@ -157,8 +157,8 @@ CASES = [
     # Encoder-decoders and a deep model (the optimizer issue's targets).
     Case("T5 3+3 (fake)", encoder_decoder("t5", 3), (0.7, 0.5, 0.3), 10.0),
     Case("BART 3+3 (fake)", encoder_decoder("bart", 3), (0.7, 0.5, 0.3), 10.0),
-    Case("T5 12+12 (fake)", encoder_decoder("t5", 12), (0.5,), 10.0),
-    Case("BART 12+12 (fake)", encoder_decoder("bart", 12), (0.5,), 10.0),
+    Case("T5 12+12 (fake)", encoder_decoder("t5", 12), (0.7, 0.5, 0.3), 10.0),
+    Case("BART 12+12 (fake)", encoder_decoder("bart", 12), (0.7, 0.5, 0.3), 10.0),
     Case("Llama-2-70B shapes, 8 layers (fake)", llama_70b_shapes(8), (0.3,), 15.0),
     Case("Llama-2-70B shapes, 32 layers (fake)", llama_70b_shapes(32), (0.3,), 15.0),
     Case("Llama-2-70B shapes, 80 layers (fake)", llama_70b_shapes(80), (0.3,), 15.0),
