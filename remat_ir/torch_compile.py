@@ -278,7 +278,9 @@ def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *,
     by_value = {n.meta["remat_value"]: n for n in graph.nodes if "remat_value" in n.meta}
     pnodes = plan.node_map()
     recomputed = [ins.target for ins in plan.backward if ins.kind == RECOMPUTE]
-    random = [t for t in recomputed if pnodes[t].random]
+    # A random op that draws nothing (an attention op with dropout_p 0.0, which
+    # PyTorch still tags nondeterministic_seeded) recomputes as any other.
+    random = [t for t in recomputed if pnodes[t].random and not _draws_nothing(by_node[t])]
     if random and not replay:
         raise BackendError(f"the plan recomputes random ops ({', '.join(random)}), which this backend "
                            "replays only with inner=\"aot_eager\": raise the budget")
@@ -316,6 +318,19 @@ def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *,
     fw.recompile()
     bw.recompile()
     return fw, bw
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """Whether `node`, an op PyTorch tags random, takes a `dropout_p` that is 0
+    (the attention ops: nothing is drawn then)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", a.default_value)
+            return isinstance(p, (int, float)) and p == 0
+    return False
 
 
 def _reorder(graph: fx.Graph, rank: dict[str, float]) -> None:

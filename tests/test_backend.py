@@ -369,3 +369,21 @@ def test_plan_cache(capsys):
     redone, _ = compile_once(0.8)
     assert redone.solves == 1 and redone.cached == []
     assert "does not verify" in capsys.readouterr().err
+
+
+def test_attention_without_dropout_draws_nothing():
+    """An attention op PyTorch tags random (it takes a dropout_p) draws nothing
+    at dropout_p 0.0: the backend recomputes it as any op (no RNG state
+    replayed; allowed under inductor); dropout itself still draws."""
+    from remat_ir.torch_compile import _draws_nothing
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    q = g.placeholder("q")
+    nodes = {p: g.call_function(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, p))
+             for p in (0.0, 0.1)}
+    default = g.call_function(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q))
+    drop = g.call_function(aten.native_dropout.default, (q, 0.0, True))
+    assert _draws_nothing(nodes[0.0]) and _draws_nothing(default)
+    assert not _draws_nothing(nodes[0.1])
+    assert not _draws_nothing(drop)  # native_dropout's probability is `p`, and dropout draws

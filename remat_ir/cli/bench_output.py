@@ -82,8 +82,9 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
                          "native_dropout in backward with fresh randomness on CPU (known PyTorch issue; "
                          "with dropout 0 the budgets are bitwise equal).")
         if ctx.device.type == "cpu":
-            notes.append("inductor: not measured. Its CPU kernels allocate outside the dispatcher, where the "
-                         "storage tracker cannot see them, and its C++ compile is too slow for this machine.")
+            notes.append("inductor: not measured here. Its CPU kernels allocate outside the dispatcher, where the "
+                         "storage tracker cannot see them; tools/backend_memory.py measures the backend under "
+                         "inductor from the CPU allocator's profiler events instead.")
         else:
             notes.append("inductor: not measured (aot_eager isolates the partitioner's choices).")
     if any(r.recompiled for r in rows):
