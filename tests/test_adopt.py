@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,19 @@ def test_the_cache_directory(monkeypatch, tmp_path):
     assert str(cache_dir()) == platformdirs.user_cache_dir("remat-ir", appauthor=False)
     if sys.platform.startswith("linux"):
         assert cache_dir() == tmp_path / "xdg" / "remat-ir"
+
+
+def test_planning_that_takes_a_while_says_so(monkeypatch, capsys):
+    from remat_ir import adopt
+
+    monkeypatch.setattr(adopt, "_PROGRESS_AFTER_S", 0.0)
+    with adopt._Progress("remat-ir: planning a step") as p:
+        p.note = " (a note)"
+        time.sleep(0.2)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "remat-ir: planning a step ..." and err[1].startswith("remat-ir: done in ")
+    assert err[1].endswith(" s (a note)")
+    with pytest.raises(RuntimeError), adopt._Progress("remat-ir: planning another"):
+        time.sleep(0.2)
+        raise RuntimeError("no")
+    assert capsys.readouterr().err.splitlines()[1].startswith("remat-ir: failed in ")
