@@ -203,7 +203,7 @@ def test_model_with_some_rows_is_exact_at_those_rows():
     simulator's bytes there (when above what no plan changes)."""
     import random
 
-    from remat_ir.optimize.family import profile
+    from remat_ir.optimize.family import occupancy
     from remat_ir.optimize.milp import KeepModel, quiet_stdout
 
     rng = random.Random(0)
@@ -216,7 +216,7 @@ def test_model_with_some_rows_is_exact_at_those_rows():
             for _ in range(8):
                 bits = [rng.randint(0, 1) for _ in dec]
                 keep = a.keep_of({d for d, b in zip(dec, bits) if b})
-                exact = KeepModel(a).build().rows_over(profile(a, keep, range(len(a.storages))), -1.0)
+                exact = KeepModel(a).build().rows_over(occupancy(a, keep, range(len(a.storages))), -1.0)
                 after = sorted(r for r in exact if r[0] == "b")
                 if len(after) < 2:
                     continue

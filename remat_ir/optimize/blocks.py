@@ -113,7 +113,7 @@ class Segment:
     storages: list[int] = field(default_factory=list)  # storages assigned to it
     decisions: list[int] = field(default_factory=list)
     signature: str = ""  # its class: segments that share option MILPs
-    layout: str = ""  # equal for segments whose every storage and stage lines up (profiles map by offset)
+    layout: str = ""  # equal for segments whose every storage and stage lines up (occupancies map by offset)
     window: tuple[int, int] = (0, -1)  # backward stages [lo, hi] where its storages are needed
 
     @property
@@ -268,7 +268,7 @@ def _signature(a: Analysis, s: Segment, crossing: set[int], exact: bool = False)
     MILPs; each instance's options are then evaluated on the instance
     itself, its own crossing storages included.  `exact`: every storage,
     with stages counted from the window's start, so that segments of equal
-    exact signatures have profiles equal up to an offset."""
+    exact signatures have occupancies equal up to an offset."""
     values = a.values
     local: dict[str, int] = {}
     ext: dict[str, int] = {}

@@ -22,7 +22,7 @@ import numpy as np
 
 from remat_ir.ir.printer import human_bytes
 from remat_ir.optimize.blocks import Segment
-from remat_ir.optimize.family import profile
+from remat_ir.optimize.family import occupancy
 from remat_ir.optimize.flat import highest
 from remat_ir.optimize.milp import COMBINE, OPTION, WINDOW, KeepModel, SolveRecord, pick_options
 from remat_ir.optimize.problem import Option, Plan, Run
@@ -100,7 +100,7 @@ def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None,
         if kept is None or not capped:
             break
         limit = float(c.B.value) + 0.5 if objective == "peak" else float(B)
-        prof = profile(a, a.keep_of(others | set(kept)), canon.storages)
+        prof = occupancy(a, a.keep_of(others | set(kept)), canon.storages)
         over = c.m.rows_over(prof, limit)
         new = set(over) - learned
         if objective == "peak":
@@ -114,7 +114,7 @@ def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None,
 
 def _retained(run: Run, canon: Segment, kept) -> float:
     others = set(run.problem.decisions) - set(canon.decisions)
-    return profile(run.a, run.a.keep_of(others | set(kept)), canon.storages, with_constants=False).retained
+    return occupancy(run.a, run.a.keep_of(others | set(kept)), canon.storages, with_constants=False).retained
 
 
 def _levels(run: Run, canon: Segment) -> tuple[float, float, list[float]]:
@@ -188,7 +188,7 @@ def local_peak(run: Run, canon: Segment, kept: frozenset) -> float:
     """The local peak of an option as the segment's MILP counts it."""
     a = run.a
     others = set(run.problem.decisions) - set(canon.decisions)
-    pr = profile(a, a.keep_of(others | set(kept)), canon.storages, with_constants=False)
+    pr = occupancy(a, a.keep_of(others | set(kept)), canon.storages, with_constants=False)
     lo, hi = canon.window
     pb = 0.0
     if hi >= lo:
@@ -220,9 +220,9 @@ def add_options(run: Run, canon: Segment, inst: list[Segment], solves: list[tupl
 
 def evaluate_options(run: Run, canon: Segment, inst: list[Segment], opts: list[frozenset]) -> None:
     """Each option of a class, mapped onto its instances.  Instances of one
-    layout (every storage and stage lines up) share one profile, shifted; a
+    layout (every storage and stage lines up) share one occupancy, shifted; a
     class can hold several layouts (the storages crossing segments live where
-    they are last read), each profiled on its own first instance."""
+    they are last read), each measured on its own first instance."""
     a = run.a
     part = run.problem.decomposition.part
     options = run.memo.options
@@ -235,7 +235,7 @@ def evaluate_options(run: Run, canon: Segment, inst: list[Segment], opts: list[f
         others = set(run.problem.decisions) - set(rep.decisions)
         for o in opts:
             kept = frozenset(to_rep[d] for d in o)
-            pr = profile(a, a.keep_of(others | set(kept)), rep.storages, with_constants=False)
+            pr = occupancy(a, a.keep_of(others | set(kept)), rep.storages, with_constants=False)
             for s in group:
                 nmap = dict(zip(rep.nodes, s.nodes))
                 db = s.window[0] - rep.window[0]

@@ -318,7 +318,7 @@ class Analysis:
         self.const_pre = const_pre + pinned
         self.const_start = start + pinned
         self.base_f = base_f
-        # ASAP forward profile of activation storages (after each forward compute).
+        # ASAP forward occupancy of activation storages (after each forward compute).
         diff = np.zeros(nf + 1, dtype=np.int64)
         for s, d in self.asap_death.items():
             owner = self.prod_f.get(s)
@@ -378,7 +378,7 @@ class Analysis:
         indexed by `storages` (default: every one), in that order.  A value's
         last need is its last backward read or the latest recompute of a
         forward node that reads it (`value_needs`, asked of these storages
-        only: a block's profile asks for a few of thousands)."""
+        only: a block's occupancy asks for a few of thousands)."""
         nf = self.nf
         if f is None:
             f = self.first_needs(keep)
@@ -579,13 +579,14 @@ def simulated_peak(program: Program, scope: str) -> tuple[int, object]:
 def model_peak(a: Analysis, keep: list[bool]) -> int:
     """The peak the exact model predicts for plan `keep` (equals the simulated
     peak; used to cross-check the model against `simulate`)."""
-    prof = profile(a, keep, range(len(a.storages)))
+    prof = occupancy(a, keep, range(len(a.storages)))
     return int(max(prof.peak_fwd, prof.peak_bwd, prof.start))
 
 
 @dataclass
-class Profile:
-    """Memory of a plan restricted to some storages, on top of the constants."""
+class Occupancy:
+    """Memory of a plan restricted to some storages, on top of the constants: which
+    bytes occupy each point of the step (a memory profile; "profile" elsewhere is op timing)."""
 
     fwd_extra: np.ndarray  # per forward position: retained bytes beyond ASAP
     live_b: np.ndarray  # per stage: live bytes after the backward node
@@ -602,7 +603,7 @@ class Profile:
     records: tuple | None = None
 
 
-def profile(a: Analysis, keep: list[bool], storages, *, with_constants: bool = True) -> Profile:
+def occupancy(a: Analysis, keep: list[bool], storages, *, with_constants: bool = True) -> Occupancy:
     """Exact per-record live bytes of `storages` (indices) under plan `keep`."""
     nf, nb = a.nf, a.nb
     f = a.first_needs(keep)
@@ -639,7 +640,7 @@ def profile(a: Analysis, keep: list[bool], storages, *, with_constants: bool = T
     isb = slot == nf
     live_b[stage[isb]] = live[isb]
     np.maximum.at(live_q, stage[~isb], live[~isb])
-    prof = Profile(fwd_extra, live_b, live_q, retained, a.recompute_cost(keep, f))
+    prof = Occupancy(fwd_extra, live_b, live_q, retained, a.recompute_cost(keep, f))
     if with_constants:
         const = np.where(slot == nf, a.const_b[stage], a.const_pre[stage])
         tot = live + const

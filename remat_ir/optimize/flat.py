@@ -1,7 +1,7 @@
 """The flat search: one MILP over every decision (exact for the plan family),
 with only the memory rows the plans it finds break.
 
-Solve with some rows, profile the plan exactly, add the rows where it holds
+Solve with some rows, find the plan's exact occupancy, add the rows where it holds
 more than the budget (without a budget, more than the peak the MILP
 claimed), and solve again.  Each round's optimum bounds the true one from
 below, so the first plan that breaks no row is optimal.  Most rows never
@@ -10,7 +10,7 @@ bind (docs/02-optimizer.md has the counts).
 from __future__ import annotations
 
 from remat_ir.ir.printer import human_bytes
-from remat_ir.optimize.family import profile
+from remat_ir.optimize.family import occupancy
 from remat_ir.optimize.milp import FLAT, KeepModel
 from remat_ir.optimize.problem import Plan, Run
 
@@ -54,7 +54,7 @@ def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
                 return done(None)
             nodes = st.round_nodes  # no plan within the round's node limit: search further
             continue
-        prof = profile(a, a.keep_of(kept), range(len(a.storages)))
+        prof = occupancy(a, a.keep_of(kept), range(len(a.storages)))
         if budget is None:
             best = done(run.evaluate(kept))[0]
         limit = float(budget) if budget is not None else float(c.B.value) + 0.5

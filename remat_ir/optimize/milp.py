@@ -35,7 +35,7 @@ its optimum equals the optimum over all plans built and simulated one by one
 
 Most memory rows never bind, and each row brings its own liveness
 variables: `build(active=...)` builds only the rows named, and `rows_over`
-names the rows an exactly profiled plan breaks, so `search.py` solves with
+names the rows a plan's exact occupancy breaks, so `search.py` solves with
 the rows it needs (a whole 2-layer GPT: 64 binaries, a few to a few dozen
 of ~8,000 memory rows, seconds instead of minutes for the whole model).
 

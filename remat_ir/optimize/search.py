@@ -39,7 +39,7 @@ from remat_ir.ir.schedule import default_schedule
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize import decomposed as _decomposed
 from remat_ir.optimize import flat as _flat
-from remat_ir.optimize.family import apply_plan, profile, simulated_peak
+from remat_ir.optimize.family import apply_plan, occupancy, simulated_peak
 from remat_ir.optimize.problem import (
     EFFORTS, Floor, Infeasible, Memo, OptimizeResult, Plan, Problem, Run, Settings,
 )
@@ -238,7 +238,7 @@ def _infeasible(run: Run, budget: int, fl: Floor) -> Infeasible:
             msg = (f"budget {human_bytes(budget)} (total) is below the floor: {' + '.join(parts)} "
                    f"already exceed it (the smallest total peak is {human_bytes(f)})")
             return Infeasible(msg, f, budget, scope)
-    where = profile(run.a, fl.plan.keep, range(len(run.a.storages))).where
+    where = occupancy(run.a, fl.plan.keep, range(len(run.a.storages))).where
     what = "activation peak" if scope == "activations" else "total peak"
     how = ""
     if run.time_limited or fl.time_limited:
