@@ -453,7 +453,7 @@ def test_resolve_budget():
 
 
 def test_unknown_solver():
-    with pytest.raises(ValueError, match="not a MILP backend"):
+    with pytest.raises(ValueError, match="not installed"):
         optimize(stacked_program(2), 10 ** 9, solver="NOSUCH")
 
 

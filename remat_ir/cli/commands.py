@@ -180,8 +180,8 @@ def _compile(argv) -> int:
 
         try:
             optimizer_settings(args.solver, args.effort, args.time_limit)
-        except ValueError as e:
-            raise CliError(f"--solver/--effort/--time-limit: {e}") from None
+        except ValueError as e:  # (--effort and --time-limit are checked before: this is the solver's)
+            raise CliError(f"--{e}") from None
     say = (lambda *a: None) if args.quiet else print
 
     t0 = time.perf_counter()

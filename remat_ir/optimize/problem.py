@@ -81,8 +81,8 @@ class Settings:
     def __post_init__(self):
         object.__setattr__(self, "solver", str(self.solver).upper())
         if self.solver not in MILP_SOLVERS:
-            raise ValueError(f"solver {self.solver} is not a MILP backend remat-ir knows; use one of "
-                             f"{', '.join(NODE_LIMITED)}")
+            raise ValueError(f"solver {self.solver} is not installed; installed MILP solvers: "
+                             f"{', '.join(installed_solvers())}")
         if self.solver not in NODE_LIMITED:
             raise ValueError(f"solver {self.solver} has no node limit, so a plan it makes would depend on the "
                              f"machine's speed; use one of {', '.join(NODE_LIMITED)}")
