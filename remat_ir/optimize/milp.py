@@ -748,7 +748,7 @@ def solver_options(solver: str, time_limit: float, rel_gap: float = 1e-6, nodes:
         # Cuts are separated at the root only, and the RINS and RENS sub-MIP
         # heuristics are off: on these models the root's own heuristics find
         # the final plan, and the sub-MIPs and node cuts cost more time than
-        # they save (docs/02-optimizer.md; tools/flat_times.py --highs).
+        # they save (docs/02-optimizer.md).
         opts = {"time_limit": float(time_limit), "mip_rel_gap": rel_gap, "mip_abs_gap": 1e-9,
                 "mip_allow_cut_separation_at_nodes": False,
                 "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False}
