@@ -454,14 +454,10 @@ def _load_cached(path: Path, program, options: dict):
     traced: its fingerprint, optimizer and cost model) and for the request
     `options` (budget and scope), else None, saying on stderr why a plan
     found there is not used."""
-    from remat_ir.ir.files import load_plan
+    from remat_ir.ir.files import load_cached
 
-    if not path.is_file():
-        return None
-    try:
-        plan = load_plan(path)
-    except (OSError, ValueError) as e:
-        print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
+    plan = load_cached(path)
+    if plan is None:
         return None
     if _class_fingerprint(plan) != _class_fingerprint(program):
         return None

@@ -178,14 +178,10 @@ def _load_cached(path, program: Program) -> Program | None:
     import sys
 
     from remat_ir.check.verify import verify
-    from remat_ir.ir.files import load_plan
+    from remat_ir.ir.files import load_cached
 
-    if not path.is_file():
-        return None
-    try:
-        plan = load_plan(path)
-    except (OSError, ValueError) as e:
-        print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
+    plan = load_cached(path)
+    if plan is None:
         return None
     if plan.header.fingerprint != program.header.fingerprint:
         print(f"remat-ir: ignoring the cached plan {path}: made for another graph; planning again", file=sys.stderr)

@@ -39,6 +39,20 @@ def load_plan(path: str | os.PathLike) -> Program:
     return parse_program(text, name)
 
 
+def load_cached(path) -> Program | None:
+    """The plan in a cache file, or None when there is no such file or it
+    cannot be read (said on stderr: a cache is planned again, never fatal)."""
+    import sys
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        return load_plan(path)
+    except (OSError, ValueError) as e:
+        print(f"remat-ir: ignoring the unreadable cached plan {path}: {e}", file=sys.stderr)
+        return None
+
+
 def save_plan(program: Program, path: str | os.PathLike) -> None:
     """Write `program` to `path` atomically: a temporary file in the same
     directory, fsync, rename.  On failure nothing is left behind and an
