@@ -648,3 +648,17 @@ def test_gradient_tolerance_by_dtype():
 def test_cnn_builtin_takes_no_seq(tmp_path, capsys):
     assert compile_main(["resnet-mini", "-o", str(tmp_path / "r.rir"), "--seq", "4"]) == 2
     assert "resnet-mini takes no sequence length" in capsys.readouterr().err
+
+
+def test_verbose_says_where_the_optimizers_time_went(tmp_path, capsys):
+    out = tmp_path / "mlp.rir"
+    assert compile_main(["mlp", "-o", str(out), "--budget", "0.8", "-v"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    summary = next(i for i, line in enumerate(lines) if line.startswith("traced in "))
+    assert "optimized in " in lines[summary] and "(budget " in lines[summary]
+    assert lines[summary + 1] == "where the optimizer's time went:"
+    assert lines[summary + 2].startswith("  search of the graph: ")
+    assert any(line.startswith("  ") and " flat (MILP) solves: " in line for line in lines[summary + 2:])
+    assert compile_main(["mlp", "-o", str(tmp_path / "again.rir"), "--budget", "0.8"]) == 0
+    assert "where the optimizer's time went" not in capsys.readouterr().out

@@ -227,7 +227,7 @@ def _compile(argv) -> int:
         raise CliError(f"--budget: {e}") from e
     except UnsoundPlan as e:
         raise CliError(f"internal error: {e}", EXIT_FAIL) from e
-    notes = []
+    notes, where = [], []
     if "profile" in stats.seconds:
         notes.append(f"profiled {len(program.nodes)} ops in {stats.seconds['profile']:.1f} s")
     if rows is not None:
@@ -238,7 +238,7 @@ def _compile(argv) -> int:
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in stages)
         notes.append(f"optimized in {sum(v for _, v in stages):.1f} s ({spent}): {overhead_text(program)}")
         if getattr(args, "verbose", False):
-            notes += _where_the_time_went(stats)
+            where = _where_the_time_went(stats)
     if program.header.rewrites:
         from remat_ir.rewrite import describe
 
@@ -264,6 +264,9 @@ def _compile(argv) -> int:
         print(breakdown(program, verdict.report, verdict.report_first_step))
         t_trace = t_load + stats.seconds["trace"]
         print("; ".join([f"traced in {t_trace:.1f} s", f"wrote {args.output}"] + notes))
+        if where:
+            print("where the optimizer's time went:")
+            print("\n".join(where))
         if in_eval:
             print(f"note: traced in train mode ({_eval_text(in_eval)}): the plan is a training step, with "
                   f"dropout and batch-norm updates on, and remat-run runs it so")
