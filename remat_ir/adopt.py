@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT
+from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT, is_floor
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.runtime.bind import ModelGuard
 from remat_ir.runtime.interpret import PlanRunner, WrappedModule
@@ -266,7 +266,7 @@ class AutoRemat(WrappedModule):
                         most = max(most, int(limit[d]))
                     high[x] = max(high.get(x, 0), most)
         budget = self.options["budget"]
-        by_bytes = budget is not None and not _is_floor(budget) and parse_budget(budget)[0] == "bytes"
+        by_bytes = budget is not None and not is_floor(budget) and parse_budget(budget)[0] == "bytes"
         config = getattr(self.module, "config", None)
         limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         named = {x for shape in self.max_shape.values() for x in shape if x is not None}
@@ -285,7 +285,8 @@ class AutoRemat(WrappedModule):
         from remat_ir.ir import sizes as sz
         from remat_ir.ir.fingerprint import fingerprint
 
-        low, high = sz.ends(program)[0], sz.ends(program)[-1]
+        ends = sz.ends(program)
+        low, high = ends[0], ends[-1]
         bad_low, bad_high = sz.check_sizes(program, low), sz.check_sizes(program, high)
         if not (bad_low or bad_high):
             return
@@ -322,7 +323,7 @@ class AutoRemat(WrappedModule):
             traced = msgspec.structs.replace(traced, header=msgspec.structs.replace(traced.header, sizes=wider))
             o = self.options
             budget = program.header.budget
-            if budget is not None and o["budget"] is not None and not _is_floor(o["budget"]):
+            if budget is not None and o["budget"] is not None and not is_floor(o["budget"]):
                 # A fraction is of the unoptimized peak at the range's new high end.
                 nbytes = pipeline.budget_bytes(sz.instantiate(traced, high, refingerprint=False), o["budget"],
                                                o["scope"])
@@ -433,10 +434,6 @@ class AutoRemat(WrappedModule):
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _is_floor(budget) -> bool:
-    return isinstance(budget, str) and budget.strip().lower() == "floor"
-
-
 def _class_fingerprint(program) -> str:
     """The fingerprint of the step, without a symbolic plan's range: one file
     per shape class, whatever sizes it was planned up to."""
@@ -485,7 +482,7 @@ def _cache_mismatch(cached, traced, options: dict) -> str | None:
         asked = f"asked budget {want!r} ({scope})"
         if have is None or have.scope != scope:
             return f"made {made}, {asked}"
-        if not _is_floor(want):
+        if not is_floor(want):
             kind, amount = parse_budget(want)
             if kind == "bytes" and have.bytes != amount:
                 return f"made {made}, {asked}: {amount} bytes"

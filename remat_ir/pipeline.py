@@ -102,16 +102,12 @@ class _Clock:
         return False
 
 
-def _is_floor(budget) -> bool:
-    return isinstance(budget, str) and budget.strip().lower() == "floor"
-
-
 def check_budget(budget) -> None:
     """Raises BudgetError unless `budget` is None, "floor" or one `fit` can
     read: a positive, finite amount (zero, negative, NaN and infinite budgets
     are refused, in remat-compile's words).  Every entry point checks it
     before any work."""
-    if budget is None or _is_floor(budget):
+    if budget is None or budgets.is_floor(budget):
         return
     try:
         budgets.parse_budget(budget)
@@ -225,7 +221,7 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     time_limit = check_time_limit(time_limit)
     with _Clock(stats, "budget"):
-        if _is_floor(budget):
+        if budgets.is_floor(budget):
             from remat_ir.optimize import ladder
 
             r = ladder.floor(program, optimizer_settings(solver, effort, time_limit), memo, scope=scope, exact=exact)

@@ -237,7 +237,7 @@ def _compile(argv) -> int:
         stages = [(k, stats.seconds[k]) for k in ("budget", "optimize", "verify") if k in stats.seconds]
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in stages)
         notes.append(f"optimized in {sum(v for _, v in stages):.1f} s ({spent}): {overhead_text(program)}")
-        if getattr(args, "verbose", False):
+        if args.verbose:
             where = _where_the_time_went(stats)
     if program.header.rewrites:
         from remat_ir.rewrite import describe

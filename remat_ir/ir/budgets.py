@@ -48,6 +48,11 @@ def budget_int(nbytes: float | int, budget) -> int:
     return int(round(nbytes))
 
 
+def is_floor(budget) -> bool:
+    """Whether `budget` asks for the floor (the smallest peak any plan reaches)."""
+    return isinstance(budget, str) and budget.strip().lower() == "floor"
+
+
 def parse_budget(budget) -> tuple[str, float | int]:
     """("bytes", n) for bytes or a size, ("fraction", f) for a fraction of the
     unoptimized peak.  Raises ValueError, saying how to write one, for what

@@ -98,7 +98,7 @@ class _Ladder:
     def rewritten(self, rung: tuple) -> Program:
         m = self.memo
         if rung not in m.programs:
-            m.programs[rung] = apply(self.program, list(rung[:0] if rung == OWN_BLOCKS else rung))
+            m.programs[rung] = apply(self.program, list(rung))
         return m.programs[rung]
 
     def problem(self, rung: tuple) -> Problem:

@@ -100,7 +100,20 @@ def arguments(problem, scope, settings, memo, **given) -> tuple[Problem, Setting
     return problem, settings, memo.bind(problem, settings)
 
 
-def _result(run: Run, plan: Plan, budget: int | None, mode: str, t0: float, stages=None) -> OptimizeResult:
+def _none_found(problem: Problem, budget: int | None) -> Infeasible:
+    """A search found no plan for `budget`; the floor is not known (0)."""
+    return Infeasible(f"no plan found for budget {human_bytes(budget)} ({problem.scope})", 0, budget,
+                      problem.scope)
+
+
+def _fitting(run: Run, plan: Plan | None, budget: int | None, mode: str, t0: float) -> OptimizeResult:
+    """The result of a strategy's `plan`, or Infeasible when it found none that fits."""
+    if plan is None or (budget is not None and plan.peak > budget):
+        raise _none_found(run.problem, budget)
+    return _result(run, plan, budget, mode, t0)
+
+
+def _result(run: Run, plan: Plan, budget: int | None, mode: str, t0: float) -> OptimizeResult:
     p = run.problem
     out = apply_plan(run.a, plan.keep, Budget(budget if budget is not None else plan.peak, p.scope))
     # The result owns its graph: editing it must not change the input program.
@@ -109,7 +122,7 @@ def _result(run: Run, plan: Plan, budget: int | None, mode: str, t0: float, stag
         program=out, predicted_peak=int(plan.peak), extra_cost=float(plan.cost), base_cost=p.base_cost,
         solves=list(run.solves), seconds=time.perf_counter() - t0, budget=budget, scope=p.scope, mode=mode,
         recomputed=[ins.target for ins in out.backward if ins.kind == "recompute"],
-        time_limited=run.time_limited, stages=dict(stages or {}))
+        time_limited=run.time_limited)
 
 
 # ---------------------------------------------------------------- strategies
@@ -123,10 +136,7 @@ def flat(problem, budget: int | None, settings: Settings | None = None, memo: Me
     t0 = time.perf_counter()
     run = Run(problem, settings, memo, log)
     plan, _ = _flat.search(run, None if budget is None else int(budget))
-    if plan is None or (budget is not None and plan.peak > budget):
-        raise Infeasible(f"no plan found for budget {human_bytes(budget)} ({problem.scope})", 0, budget,
-                         problem.scope)
-    return _result(run, plan, budget, "flat", t0)
+    return _fitting(run, plan, budget, "flat", t0)
 
 
 def decomposed(problem, budget: int | None, settings: Settings | None = None, memo: Memo | None = None, *,
@@ -137,10 +147,7 @@ def decomposed(problem, budget: int | None, settings: Settings | None = None, me
     t0 = time.perf_counter()
     run = Run(problem, settings, memo, log)
     plan = _decomposed.floor(run) if budget is None else _decomposed.search(run, int(budget))
-    if plan is None or (budget is not None and plan.peak > budget):
-        raise Infeasible(f"no plan found for budget {human_bytes(budget)} ({problem.scope})", 0, budget,
-                         problem.scope)
-    return _result(run, plan, budget, "decomposed", t0)
+    return _fitting(run, plan, budget, "decomposed", t0)
 
 
 def _floor(run: Run) -> Floor:
@@ -210,8 +217,7 @@ def optimize(problem, budget: int, settings: Settings | None = None, memo: Memo 
         if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
             plan = None
         if plan is None and not prove and memo.floor is None:
-            raise Infeasible(f"no plan found for budget {human_bytes(budget)} ({problem.scope})", 0, budget,
-                             problem.scope)
+            raise _none_found(problem, budget)
         if plan is None:
             fl = _floor(run)
             if fl.plan.peak > budget:
