@@ -244,22 +244,41 @@ def saved_values(plan: Program) -> list[str]:
     return list(saved)
 
 
-def _rng_state() -> torch.Tensor:
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator a random op on `device` draws from (a CPU
+    tensor for every device: CUDA's is its seed and offset)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
 
 
-def _draw(state: torch.Tensor, op, *args, **kwargs):
+def _draw(state: torch.Tensor, device: torch.device, op, *args, **kwargs):
     """`op(*args, **kwargs)`: a random op in forward, which passes along the
     state it draws from so that backward can replay it."""
     return op(*args, **kwargs)
 
 
-def _replay(state: torch.Tensor, op, *args, **kwargs):
-    """`op(*args, **kwargs)` drawn from the RNG state `state`, the global
-    generator left as it was (a random op recomputed in backward)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
+def _replay(state: torch.Tensor, device: torch.device, op, *args, **kwargs):
+    """`op(*args, **kwargs)` drawn from the RNG state `state` of `device`'s
+    generator, that generator left as it was (a random op recomputed in
+    backward)."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        if cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
         return op(*args, **kwargs)
+
+
+def _random_device(node: fx.Node) -> torch.device:
+    """The device whose generator `node` (a random op) draws from: its
+    first tensor result's."""
+    vals = node.meta.get("val")
+    for v in (vals if isinstance(vals, (tuple, list)) else (vals,)):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
 
 
 def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *, replay: bool):
@@ -286,14 +305,15 @@ def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *,
     states: dict[str, str] = {}
     for t in random:
         fxn = by_node[t]
+        device = _random_device(fxn)
         with graph.inserting_before(fxn):
-            s = graph.call_function(_rng_state, ())
-        s.meta["val"] = torch.get_rng_state()
+            s = graph.call_function(_rng_state, (device,))
+        s.meta["val"] = _rng_state(device) if device.type != "cuda" else torch.empty(16, dtype=torch.uint8)
         s.meta["partitioner_tag"] = "is_forward"
         states[fxn.name] = s.name
         saved.append(s)
         # Forward draws as before (the state is only passed along); backward replays it.
-        fxn.args = (s, fxn.target) + tuple(fxn.args)
+        fxn.args = (s, device, fxn.target) + tuple(fxn.args)
         fxn.target = _draw
     saved.sort(key=lambda n: position.get(n, -1))
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs)

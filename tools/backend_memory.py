@@ -2,7 +2,8 @@
 aot_eager and with inductor (docs/13-torch-compile.md).
 
     python tools/backend_memory.py [--model examples/gpt_narrow.py] [--batch N] [--seq N]
-                                   [--inners aot_eager,inductor] [--budgets 0.7,0.5,0.3] [--md FILE]
+                                   [--inners aot_eager,inductor] [--budgets 0.7,0.5,0.3]
+                                   [--device cpu|cuda] [--md FILE]
 
 `--model` is a built-in (`gpt2-mid`), a model file (`.py` with `build()`),
 or a transformers family of `remat_ir.models.families` (`llama`).  Each
@@ -23,6 +24,17 @@ the step, so the table has:
   the plan's simulated activation peak (`simulate(plan, grads_present=True)`);
   with aot_eager also the storage tracker's measurement.
 
+On CUDA (`--device cuda`) the caching allocator's statistics
+(`torch.cuda.memory_allocated`, `max_memory_allocated`) see every
+allocation, inductor's kernels' included, in blocks of 512 bytes.
+
+Each row's gradients after its two steps are compared ("bitwise", or the
+largest difference relative to the largest gradient) with the same two
+steps at the same seeds run by eager PyTorch (aot_eager rows) or by stock
+`torch.compile(backend="inductor")` (inductor rows: inductor draws dropout
+from its own seeds, so eager's masks are not its masks).  Eager is run
+twice, and its own run-to-run difference is printed above the table.
+
 A budget below a region's floor is reported with the floor.  Exit status 0,
 2 on bad input.
 """
@@ -39,7 +51,7 @@ import torch
 from remat_ir.cli.measure import MiB
 
 
-def load(spec: str, batch, seq):
+def load(spec: str, batch, seq, device: str = "cpu"):
     """(module, call(module) -> (loss, output), name) for a built-in, a model
     file or a family; the output (logits, ...) is held until the step ends,
     as the plan counts a forward result handed to the caller."""
@@ -47,7 +59,8 @@ def load(spec: str, batch, seq):
 
     if spec in families.FAMILIES:
         module, kwargs = families.FAMILIES[spec](0)
-        module.train()
+        module.to(device).train()
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         def call_family(m):
             out = m(**kwargs)
             return out.loss, out
@@ -55,7 +68,7 @@ def load(spec: str, batch, seq):
         return module, call_family, spec
     from remat_ir.runtime.load import load_model
 
-    lm = load_model(spec, batch=batch, seq=seq, seed=0)
+    lm = load_model(spec, batch=batch, seq=seq, seed=0, device=device)
     module, inputs, loss_fn = lm.module, lm.inputs, lm.loss
     module.train()
 
@@ -64,6 +77,47 @@ def load(spec: str, batch, seq):
         return (loss_fn(out, *inputs) if loss_fn is not None else out), out
 
     return module, call, lm.name
+
+
+def cuda_step(call, compiled):
+    """One step on CUDA: (the bytes allocated at the end of forward, the
+    step's peak), both relative to the start, from the caching allocator's
+    statistics."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, out = call(compiled)
+    torch.cuda.synchronize()
+    fwd_end = torch.cuda.memory_allocated() - start
+    loss.backward()
+    del loss, out
+    torch.cuda.synchronize()
+    return fwd_end, torch.cuda.max_memory_allocated() - start
+
+
+def reference_grads(base, call, backend=None) -> list[torch.Tensor]:
+    """Gradients after two steps at seeds 1 and 2, as each row runs them:
+    eager PyTorch's, or with `backend` stock `torch.compile`'s."""
+    model = copy.deepcopy(base)
+    if backend is not None:
+        torch._dynamo.reset()
+        model = torch.compile(model, backend=backend, dynamic=False)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        call(model)[0].backward()
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def grad_difference(ref: list[torch.Tensor], got: list[torch.Tensor]) -> str:
+    """"bitwise", or the largest difference from `ref` relative to the
+    largest reference gradient."""
+    if len(got) != len(ref):
+        return f"{len(got)} gradients, eager has {len(ref)}"
+    if all(torch.equal(a, b) for a, b in zip(ref, got)):
+        return "bitwise"
+    diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref, got))
+    scale = max(float(a.double().abs().max()) for a in ref) or 1.0
+    return f"{diff / scale:.1e} relative"
 
 
 def allocator_step(call, compiled):
@@ -104,7 +158,7 @@ def predicted_saved(plan) -> int:
     return sum(int(values[s].nbytes) for s in storages if values[s].kind not in (PARAM, BUFFER, INPUT))
 
 
-def run_one(base, call, budget: float, inner: str):
+def run_one(base, call, budget: float, inner: str, ref: list[torch.Tensor], device: str = "cpu"):
     """One row: compile, a first step, then the measured second step."""
     import remat_ir
     from remat_ir.check.simulate import simulate
@@ -135,8 +189,10 @@ def run_one(base, call, budget: float, inner: str):
     row["pred_saved"] = sum(predicted_saved(p) for p in plans)
     gc.collect()
     torch.manual_seed(2)
-    row["live_after_fwd"], row["act"] = allocator_step(call, compiled)
-    if inner == "aot_eager":
+    step = cuda_step if device == "cuda" else allocator_step
+    row["live_after_fwd"], row["act"] = step(call, compiled)
+    row["grads"] = grad_difference(ref, [p.grad for p in model.parameters() if p.grad is not None])
+    if inner == "aot_eager" and device != "cuda":
         params = list(model.parameters())
 
         def step():
@@ -152,21 +208,24 @@ def run_one(base, call, budget: float, inner: str):
     return row
 
 
-def table(name: str, rows: list[dict], grad_bytes: int) -> str:
-    lines = [f"### {name}: the backend's memory, predicted and measured (CPU allocator)", "",
+def table(name: str, rows: list[dict], grad_bytes: int, device: str = "cpu", eager: str = "") -> str:
+    where = "CUDA caching allocator" if device == "cuda" else "CPU allocator"
+    lines = [f"### {name}: the backend's memory, predicted and measured ({where})", "",
              f"Parameters' gradients (held until a compiled backward returns): {grad_bytes:,} bytes "
-             f"({grad_bytes / MiB:.2f} MiB).", "",
+             f"({grad_bytes / MiB:.2f} MiB).  Eager PyTorch twice at the same seeds: {eager}.", "",
              "| inner | budget | region's unoptimized act. peak | recomputed | predicted saved + results | live after forward (measured) "
-             "| predicted activation peak | measured (allocator) | measured (storage tracker) | measured - predicted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| predicted activation peak | measured (allocator) | measured (storage tracker) | measured - predicted "
+             "| gradients vs reference (aot_eager: eager; inductor: stock inductor) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['inner']} | {r['budget']:g} | | {r['status']} | | | | | | |")
+            lines.append(f"| {r['inner']} | {r['budget']:g} | | {r['status']} | | | | | | | |")
             continue
         tr = f"{r['tracker']:,}" if "tracker" in r else "-"
         lines.append(f"| {r['inner']} | {r['budget']:g} | {r['unoptimized'] / MiB:.2f} MiB | {r['recomputed']} | {r['pred_saved']:,} | "
                      f"{r['live_after_fwd']:,} | {r['pred_act']:,} | {r['act']:,} | {tr} | "
-                     f"{r['act'] - r['pred_act']:+,} ({100 * (r['act'] - r['pred_act']) / r['pred_act']:+.1f}%) |")
+                     f"{r['act'] - r['pred_act']:+,} ({100 * (r['act'] - r['pred_act']) / r['pred_act']:+.1f}%) "
+                     f"| {r['grads']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--inners", default="aot_eager,inductor")
     p.add_argument("--budgets", default="0.7,0.5,0.3")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--md", help="also write the table here")
     a = p.parse_args(argv)
     try:
@@ -185,20 +245,26 @@ def main(argv=None) -> int:
         inners = [i.strip() for i in a.inners.split(",") if i.strip()]
         if any(i not in ("aot_eager", "inductor") for i in inners):
             raise ValueError("--inners: aot_eager, inductor")
-        base, call, name = load(a.model, a.batch, a.seq)
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here")
+        base, call, name = load(a.model, a.batch, a.seq, a.device)
     except Exception as e:  # noqa: BLE001 - bad input: one line
         print(f"backend_memory: error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
+    ref = {"aot_eager": reference_grads(base, call)}
+    eager = grad_difference(ref["aot_eager"], reference_grads(base, call))
+    if "inductor" in inners:
+        ref["inductor"] = reference_grads(base, call, "inductor")
     rows = []
     for inner in inners:
         for b in budgets:
-            r = run_one(base, call, b, inner)
+            r = run_one(base, call, b, inner, ref[inner], a.device)
             print(f"  {inner} {b:g}: {r['status']}" + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else ""),
                   file=sys.stderr, flush=True)
             rows.append(r)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    md = table(name, rows, grad_bytes)
+    md = table(name, rows, grad_bytes, a.device, eager)
     sys.stdout.write(md)
     if a.md:
         from remat_ir.ir.files import write_atomically

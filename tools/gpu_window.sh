@@ -9,12 +9,16 @@
 #   wheels/  msgspec (the runtime's one dependency besides torch), lark, and
 #            pytest with its dependencies, for CPython 3.10-3.12 on x86-64
 #            Linux, pinned to this checkout's environment
+#   optimizer/  cvxpy, HiGHS and the solvers cvxpy imports at start, for the
+#            torch.compile backend, which plans on the machine it compiles
+#            on (the same pins; not SCS, whose 40 MB cvxpy loads only when
+#            asked for SCS)
 #   plans/   plans for CUDA, traced and optimized here on CPU
 #            (tools/gpu_check.py --compile-only --device cuda): GPT-2 medium
 #            4 x 512 at 0.7 / 0.5 / 0.3 and the floor, gpt2-tiny at 0.5 and
 #            the floor (read by tests/test_cuda.py through REMAT_CUDA_PLANS)
 #
-# The run (each step under a time limit, 8 minutes in all; not yet timed on a
+# The run (each step under a time limit, 12 minutes in all; not yet timed on a
 # GPU) installs from wheels/ whatever of msgspec, lark and pytest is not
 # importable (pip --no-index; nothing is fetched), then writes under $OUT
 # (default out/gpu_window):
@@ -22,6 +26,9 @@
 #   probe.md, probe.json            tools/gpu_probe.py: eager reproducibility, dropout replay,
 #                                   fused vs unfused cross-entropy bits, SDPA kernel
 #   gpu_check.md, gpu_check.json    tools/gpu_check.py on GPT-2 medium 4 x 512 (--small: gpt2-tiny)
+#   backend.md                      tools/backend_memory.py --device cuda: the torch.compile
+#                                   backend (aot_eager, inductor) on gpt2-mid, predicted and
+#                                   measured by the caching allocator, gradients against eager
 #   summary.txt                     each step's exit code and seconds
 # Arguments other than --device, --small and --plans go to gpu_check.py.
 # Exit code: 0 when every step exited 0, 1 when one did not, 2 without a Python that has torch.
@@ -57,6 +64,17 @@ EOF
     # pip reads dependency markers with this interpreter's version: add what 3.10 needs.
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.10 --implementation cp \
         --platform manylinux2014_x86_64 -d "$WINDOW/wheels" exceptiongroup tomli typing_extensions
+    opt=$("$PY" - <<'EOF'
+from importlib.metadata import version
+print(" ".join(f"{p}=={version(p)}" for p in ("cvxpy", "highspy", "osqp", "clarabel", "qdldl", "cffi", "pycparser")))
+EOF
+)
+    mkdir -p "$WINDOW/optimizer"
+    for v in 3.10 3.11 3.12; do
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$v" --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+            -d "$WINDOW/optimizer" $opt || echo "gpu_window: no optimizer wheels for CPython $v (the backend's step is then skipped there)" >&2
+    done
     "$PY" tools/gpu_check.py --compile-only --device cuda --plans "$WINDOW/plans"
     "$PY" tools/gpu_check.py --compile-only --device cuda --small --budgets 0.5,floor --plans "$WINDOW/plans"
     ls -l "$WINDOW/wheels" "$WINDOW/plans"
@@ -108,17 +126,30 @@ install_missing() {
     "$PY" -m pip install --no-index --find-links "$WINDOW/wheels" "${missing[@]}"
 }
 
+install_optimizer() {  # the backend plans where it compiles: cvxpy without its dependency resolution
+    "$PY" -c "import cvxpy" 2>/dev/null && { echo "cvxpy: already installed"; return 0; }
+    local tag
+    tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+    "$PY" -m pip install --no-index --no-deps "$WINDOW"/optimizer/*-"$tag"-*.whl "$WINDOW"/optimizer/*-abi3-*.whl \
+        "$WINDOW"/optimizer/*-py3-none-any.whl
+}
+
 {
     echo "python $("$PY" -c 'import sys; print(sys.version.split()[0])'), $(uname -m)"
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
 } >> "$SUMMARY" 2>&1
 
 step install 120 install_missing > "$OUT/install.log" 2>&1
+step install_optimizer 120 install_optimizer >> "$OUT/install.log" 2>&1
 REMAT_CUDA_PLANS="$PLANS" step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     > "$OUT/pytest.txt" 2>&1
 step probe 90 "$PY" tools/gpu_probe.py --device "$DEVICE" ${SMALL[@]+"${SMALL[@]}"} --md "$OUT/probe.md" \
     --json "$OUT/probe.json" > /dev/null 2> "$OUT/probe.log"
 step gpu_check 300 "$PY" tools/gpu_check.py --device "$DEVICE" ${SMALL[@]+"${SMALL[@]}"} --plans "$PLANS" \
     --md "$OUT/gpu_check.md" --json "$OUT/gpu_check.json" ${EXTRA[@]+"${EXTRA[@]}"} > /dev/null 2> "$OUT/gpu_check.log"
+BACKEND_MODEL=gpt2-mid
+[ ${#SMALL[@]} -eq 0 ] || BACKEND_MODEL=examples/gpt_narrow.py
+step backend "${BACKEND_LIMIT_S:-240}" "$PY" tools/backend_memory.py --device "$DEVICE" --model "$BACKEND_MODEL" \
+    --threads 8 --md "$OUT/backend.md" > /dev/null 2> "$OUT/backend.log"
 echo "total: $((SECONDS - T0)) s" | tee -a "$SUMMARY" >&2
 exit $status
