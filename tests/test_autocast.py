@@ -194,3 +194,23 @@ def test_remat_compile_autocast_and_remat_run(tmp_path, capsys):
                       ("cuda:float16", "is for cuda, but the model is built on --device cpu")):
         assert compile_main(["mlp", "-o", str(tmp_path / "x.rir"), "--autocast", bad]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_verdict_and_plan_do_not_depend_on_the_callers_autocast():
+    """wrap plans inside the caller's autocast (its first call). The plan's
+    ops carry their own casts, so the verifier's fake runs of them, and the
+    optimizer, must not cast again: CPU autocast would run this fp32 plan's
+    `mm` in bfloat16 (CUDA autocast, `sum` in float32), and the verifier
+    would reject a sound plan."""
+    from remat_ir.check.verify import verify
+    from remat_ir.pipeline import fit, trace
+
+    m = load_model("mlp")
+    program = trace(m.module, m.inputs, loss=m.loss, name="mlp")
+    plain = fit(program, 0.8, scope="activations")
+    assert verify(program).ok
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert verify(program).ok
+        assert verify(plain).ok
+        inside = fit(program, 0.8, scope="activations")
+    assert format_program(inside) == format_program(plain)

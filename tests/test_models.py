@@ -291,3 +291,15 @@ def test_resnet_mini_plan_gradients_bitwise_equal_to_eager(budget):
     if budget is not None:
         assert any(ins.kind == "recompute" for ins in plan.forward + plan.backward)
     _step_both(copy.deepcopy(model), remat_ir.wrap(copy.deepcopy(model), plan), inputs)
+
+
+def test_a_builtin_built_for_another_device_keeps_its_one_mask():
+    """GPT's layers share one causal mask. `Module.to` would copy it once per
+    layer, so the model on CUDA would hold buffer bytes the plan traced for
+    CUDA (built under fake tensors, never moved) does not: the built-in is
+    moved with its shares kept (the meta device stands in for CUDA)."""
+    for device in ("cpu", "meta"):
+        model, _ = build_builtin("gpt2-tiny", device=device)
+        masks = {id(b) for name, b in model.named_buffers(remove_duplicate=False) if name.endswith("mask")}
+        assert len(masks) == 1, device
+        assert all(p.device == torch.device(device) for p in model.parameters())

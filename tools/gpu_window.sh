@@ -147,8 +147,8 @@ step probe 90 "$PY" tools/gpu_probe.py --device "$DEVICE" ${SMALL[@]+"${SMALL[@]
     --json "$OUT/probe.json" > /dev/null 2> "$OUT/probe.log"
 step gpu_check 300 "$PY" tools/gpu_check.py --device "$DEVICE" ${SMALL[@]+"${SMALL[@]}"} --plans "$PLANS" \
     --md "$OUT/gpu_check.md" --json "$OUT/gpu_check.json" ${EXTRA[@]+"${EXTRA[@]}"} > /dev/null 2> "$OUT/gpu_check.log"
-BACKEND_MODEL=gpt2-mid
-[ ${#SMALL[@]} -eq 0 ] || BACKEND_MODEL=examples/gpt_narrow.py
+# $BACKEND_MODEL: another model for the backend's step (a family such as llama)
+[ ${#SMALL[@]} -eq 0 ] && BACKEND_MODEL="${BACKEND_MODEL:-gpt2-mid}" || BACKEND_MODEL="${BACKEND_MODEL:-examples/gpt_narrow.py}"
 step backend "${BACKEND_LIMIT_S:-240}" "$PY" tools/backend_memory.py --device "$DEVICE" --model "$BACKEND_MODEL" \
     --threads 8 --md "$OUT/backend.md" > /dev/null 2> "$OUT/backend.log"
 echo "total: $((SECONDS - T0)) s" | tee -a "$SUMMARY" >&2

@@ -48,6 +48,7 @@ torch is imported on the first call, not with the module.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import re
@@ -86,6 +87,20 @@ def device_problem(name) -> str:
             f"from 0 to 127){hint}")
 
 Loc = tuple  # (section, index, line)
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """Every autocast in effect switched off: the graph's ops carry their
+    casts, and the verdict must not depend on an autocast the caller is in
+    (CUDA autocast runs `sum` in float32, CPU autocast `mm` in bfloat16)."""
+    import torch
+
+    with contextlib.ExitStack() as stack:
+        for d in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        yield
 
 
 def typecheck(program: Program) -> list[tuple[Loc, str]]:
@@ -183,7 +198,8 @@ class _Checker:
         log = logging.getLogger(self.ft.__name__)
         was_disabled, log.disabled = log.disabled, True
         try:
-            with self.ft.FakeTensorMode(allow_non_fake_inputs=False) as mode, fake_kernels(self.device.type):
+            with _no_autocast(), self.ft.FakeTensorMode(allow_non_fake_inputs=False) as mode, \
+                    fake_kernels(self.device.type):
                 self.mode = mode
                 for i, n in enumerate(self.p.nodes):
                     try:

@@ -74,6 +74,19 @@ def describe_builtins() -> str:
     return "\n".join(lines)
 
 
+def _move(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to(device)`, a buffer shared by several modules (GPT's one
+    causal mask) still shared: `Module.to` copies a buffer once per module
+    that holds it, so the moved model would hold more buffer bytes than the
+    one traced for that device (which never moves)."""
+    moved: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = moved.setdefault(id(b), b.to(device))
+    return model.to(device)
+
+
 def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = None,
                   device="cpu", seed: int = 0,
                   dropout: Optional[float] = None) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -117,7 +130,7 @@ def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = N
             model = MLP(**kw)
     # (.to() on fake parameters fails under FakeTensorMode: only move when needed.)
     if any(t.device != device for t in list(model.parameters()) + list(model.buffers())):
-        model = model.to(device)
+        model = _move(model, device)
     model.train()
 
     if spec.kind == "gpt":

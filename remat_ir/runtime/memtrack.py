@@ -323,7 +323,10 @@ def measure_step(fn: Callable[[], object], *, pre_existing: Optional[dict] = Non
     the method: CUDA uses the allocator's statistics (run a warm-up step first
     so one-time allocations such as cuBLAS workspaces are not in the peak);
     anything else uses `StorageTracker`.  The return value of ``fn`` is dropped
-    before measuring what stays live.
+    before measuring what stays live.  ``peak_bytes`` is the named tensors'
+    bytes plus the step's peak above its start; on CUDA, memory the device
+    held before the step beyond the named tensors is
+    ``baseline_by_category["unregistered"]``, outside ``peak_bytes``.
     """
     pre_existing = pre_existing or {}
     if device is None:
@@ -340,10 +343,16 @@ def measure_step(fn: Callable[[], object], *, pre_existing: Optional[dict] = Non
         peak = torch.cuda.max_memory_allocated(device)
         after = torch.cuda.memory_allocated(device)
         by_cat, registered = _distinct_bytes_by_category(pre_existing)
+        # What the device held before the step beyond the tensors named
+        # (cuBLAS's workspaces: one per handle, and the autograd thread has
+        # a handle of its own; other models) is shown apart and not counted:
+        # the peak is the named state plus the step's peak above what was
+        # there, as on CPU, where the tracker sees only the named tensors.
         if base > registered:
             by_cat["unregistered"] = base - registered
-        return StepMemory(peak_bytes=peak, baseline_bytes=base, baseline_by_category=by_cat,
-                          peak_above_baseline=peak - base, live_after_bytes=after - base)
+        return StepMemory(peak_bytes=registered + peak - base, baseline_bytes=registered,
+                          baseline_by_category=by_cat, peak_above_baseline=peak - base,
+                          live_after_bytes=after - base)
 
     tracker = StorageTracker()
     for cat, tensors in pre_existing.items():
