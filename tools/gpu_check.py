@@ -291,7 +291,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
             own = sum(v for k, v in mem.baseline_by_category.items() if k != "unregistered")
             mm.act_peak = mem.peak_above_baseline
             mm.total_peak = own + mem.peak_above_baseline
-            mm.raw_peak = mem.peak_bytes
+            mm.raw_peak = sum(mem.baseline_by_category.values()) + mem.peak_above_baseline  # workspaces too
             if requested is not None:
                 mm.requested_act = requested
                 mm.requested_total = own + requested
