@@ -76,9 +76,13 @@ def test_recomputed_dropout_replays_philox(tag):
     program = _cuda_plan("gpt2-tiny", tag)
     nodes = program.node_map()
     assert any(nodes[i.target].random for i in program.backward if i.kind == RECOMPUTE)
+    from remat_ir.rewrite import keeps_bits
+
     checks = check_gradients(program, load_model("gpt2-tiny", device="cuda"), steps=2, device="cuda")
-    if _eager_reproducible("gpt2-tiny"):
+    # The floor's plan chunks the loss, which changes the sum's order: eager's within tolerance.
+    if _eager_reproducible("gpt2-tiny") and keeps_bits(list(program.header.rewrites)):
         assert all(c.grads_equal for c in checks), checks
+    assert all(c.grads_close for c in checks), checks
 
 
 def test_plan_made_on_cpu_is_the_cuda_trace():
