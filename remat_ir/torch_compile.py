@@ -273,12 +273,22 @@ def _replay(state: torch.Tensor, device: torch.device, op, *args, **kwargs):
 
 def _random_device(node: fx.Node) -> torch.device:
     """The device whose generator `node` (a random op) draws from: its
-    first tensor result's."""
-    vals = node.meta.get("val")
-    for v in (vals if isinstance(vals, (tuple, list)) else (vals,)):
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
+    first tensor result's, else its first tensor operand's.  The backend
+    replays the CPU and CUDA generators; another device's is refused, as is
+    an op whose device the graph does not say (replaying the wrong generator
+    would give wrong gradients silently)."""
+    found = []
+    for x in [node] + [a for a in node.all_input_nodes]:
+        vals = x.meta.get("val")
+        found += [v.device for v in (vals if isinstance(vals, (tuple, list)) else (vals,))
+                  if isinstance(v, torch.Tensor)]
+    if not found:
+        raise BackendError(f"the plan recomputes the random op {node.name}, whose device the joint graph "
+                           "does not record: raise the budget")
+    if found[0].type not in ("cpu", "cuda"):
+        raise BackendError(f"the plan recomputes the random op {node.name} on {found[0]}, whose generator "
+                           "this backend does not replay (CPU and CUDA only): raise the budget")
+    return found[0]
 
 
 def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *, replay: bool):
@@ -308,6 +318,7 @@ def build_modules(joint: fx.GraphModule, plan: Program, num_fwd_outputs: int, *,
         device = _random_device(fxn)
         with graph.inserting_before(fxn):
             s = graph.call_function(_rng_state, (device,))
+        # (CUDA's state, read on the host: an 8-byte seed and an 8-byte offset.)
         s.meta["val"] = _rng_state(device) if device.type != "cuda" else torch.empty(16, dtype=torch.uint8)
         s.meta["partitioner_tag"] = "is_forward"
         states[fxn.name] = s.name

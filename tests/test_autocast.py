@@ -214,3 +214,19 @@ def test_verdict_and_plan_do_not_depend_on_the_callers_autocast():
         assert verify(plain).ok
         inside = fit(program, 0.8, scope="activations")
     assert format_program(inside) == format_program(plain)
+
+
+def test_model_check_of_a_rewritten_plan_does_not_depend_on_the_callers_autocast():
+    """The model check applies the plan's rewrites (a chunked LM head) to a
+    fresh trace, on fake tensors: inside the caller's autocast their matmuls
+    would be cast to bfloat16, and a sound plan refused as made for another
+    model."""
+    from remat_ir.pipeline import fit, trace
+
+    m = load_model("gpt2-tiny")
+    program = trace(m.module, m.inputs, loss=m.loss, name="gpt2-tiny")
+    plan = fit(program, "floor", scope="activations")
+    assert plan.header.rewrites
+    remat_ir.wrap(copy.deepcopy(m.module), plan, loss=m.loss)  # the model check, outside autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        remat_ir.wrap(copy.deepcopy(m.module), plan, loss=m.loss)

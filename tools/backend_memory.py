@@ -22,7 +22,7 @@ the step, so the table has:
   does not compute, less what existed before the step) plus its results;
 * activation peak: the step's peak above what existed before it, against
   the plan's simulated activation peak (`simulate(plan, grads_present=True)`);
-  with aot_eager also the storage tracker's measurement.
+  with aot_eager on CPU also the storage tracker's measurement.
 
 On CUDA (`--device cuda`) the caching allocator's statistics
 (`torch.cuda.memory_allocated`, `max_memory_allocated`) see every

@@ -465,7 +465,9 @@ def _run(argv) -> int:
                               ("later (.grad present)", r.predicted.peak_bytes, r.measured_peak)):
             print(f"{label:<28}{human_bytes(pr):>12}{human_bytes(me):>12}"
                   f"{100 * (me - pr) / max(pr, 1):>9.2f}%")
-        print("measured before the step: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in r.measured_baseline.items()))
+        print("measured before the step: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in r.measured_baseline.items())
+              + (f" (and {human_bytes(r.measured_outside)} the device held beyond the model, such as cuBLAS "
+                 "workspaces: not counted)" if r.measured_outside else ""))
         print("predicted at the peak:     " + ", ".join(f"{k} {human_bytes(v)}"
                                                    for k, v in r.predicted.peak.by_category.items() if v))
         print(f"step time: {1e3 * r.step_time:.2f} ms (eager {1e3 * r.eager_step_time:.2f} ms, "

@@ -74,7 +74,7 @@ def describe_builtins() -> str:
     return "\n".join(lines)
 
 
-def _move(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def move_to(model: torch.nn.Module, device) -> torch.nn.Module:
     """`model.to(device)`, a buffer shared by several modules (GPT's one
     causal mask) still shared: `Module.to` copies a buffer once per module
     that holds it, so the moved model would hold more buffer bytes than the
@@ -130,7 +130,7 @@ def build_builtin(name: str, batch: Optional[int] = None, seq: Optional[int] = N
             model = MLP(**kw)
     # (.to() on fake parameters fails under FakeTensorMode: only move when needed.)
     if any(t.device != device for t in list(model.parameters()) + list(model.buffers())):
-        model = _move(model, device)
+        model = move_to(model, device)
     model.train()
 
     if spec.kind == "gpt":

@@ -148,7 +148,9 @@ def _load_file(path: str, ctx, device: str, batch, seq) -> LoadedModel:
         raise ModelError(f"{path}: --seq {seq} is longer than the model's {limit[0]}, {limit[1]} positions: "
                          f"give --seq {limit[1]} or less")
     if device != "cpu":
-        module = module.to(device)
+        from remat_ir.models import move_to
+
+        module = move_to(module, device)
         inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     loss = getattr(mod, "loss", None)
     if loss is not None and not callable(loss):

@@ -276,11 +276,12 @@ class _Resizes:
 class StepMemory:
     """Memory of one step, in bytes.
 
-    peak_bytes: absolute peak (baseline + peak_above_baseline).
-    baseline_bytes: memory before the step (CPU: the registered tensors'
-        distinct storages; CUDA: ``torch.cuda.memory_allocated()``).
+    peak_bytes: baseline_bytes + peak_above_baseline.
+    baseline_bytes: the registered tensors' distinct storages before the step.
     baseline_by_category: registered bytes per category (CUDA: plus
-        ``"unregistered"`` for allocated memory no registered tensor accounts for).
+        ``"unregistered"``, memory the device held before the step that no
+        registered tensor accounts for, such as cuBLAS workspaces; not in
+        baseline_bytes or peak_bytes).
     peak_above_baseline: the peak of what the step allocated on top of the baseline.
     live_after_bytes: bytes the step left allocated above the baseline
         (e.g. ``.grad`` created on a first step).
@@ -293,9 +294,11 @@ class StepMemory:
     live_after_bytes: int = 0
 
     def summary(self) -> str:
-        cats = ", ".join(f"{k} {v / MiB:.3f}" for k, v in self.baseline_by_category.items())
+        cats = ", ".join(f"{k} {v / MiB:.3f}" for k, v in self.baseline_by_category.items() if k != "unregistered")
+        outside = self.baseline_by_category.get("unregistered", 0)
         return (f"peak {self.peak_bytes / MiB:.3f} MiB = baseline {self.baseline_bytes / MiB:.3f} MiB"
-                f" ({cats}) + {self.peak_above_baseline / MiB:.3f} MiB")
+                f" ({cats}) + {self.peak_above_baseline / MiB:.3f} MiB"
+                + (f"; not counted: {outside / MiB:.3f} MiB the device held beyond them" if outside else ""))
 
 
 def _distinct_bytes_by_category(pre_existing: dict) -> tuple[dict[str, int], int]:

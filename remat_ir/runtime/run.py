@@ -83,10 +83,11 @@ class RunReport:
     predicted: MemoryReport  # grads present
     measured_first_peak: int
     measured_peak: int
-    measured_baseline: dict[str, int]
+    measured_baseline: dict[str, int]  # the registered state by category (what measured_peak counts)
     step_times: list[float]
     eager_step_times: list[float]
     checks: list[StepCheck] = field(default_factory=list)
+    measured_outside: int = 0  # CUDA: what the device held beyond that state (workspaces), not counted
 
     @property
     def step_time(self) -> float:
@@ -244,7 +245,8 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
         predicted_first=simulate(program, grads_present=False, optim_state_bytes=opt_bytes),
         predicted=simulate(program, grads_present=True, optim_state_bytes=opt_bytes),
         measured_first_peak=first.peak_bytes, measured_peak=later.peak_bytes,
-        measured_baseline=later.baseline_by_category, step_times=[], eager_step_times=[])
+        measured_baseline={k: v for k, v in later.baseline_by_category.items() if k != "unregistered"},
+        measured_outside=later.baseline_by_category.get("unregistered", 0), step_times=[], eager_step_times=[])
 
     # Eager gets its own module and inputs (a model may update an input in place).
     eager_module = copy.deepcopy(module).train()
