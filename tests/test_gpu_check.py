@@ -158,13 +158,14 @@ def test_window_script_on_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     t0 = time.perf_counter()
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_window.sh"), "--device", "cpu", "--small",
-                        "--plans", str(tmp_path / "plans"), "--budgets", ""],
+                        "--plans", str(tmp_path / "plans"), "--no-backend", "--budgets", ""],
                        env=env, capture_output=True, text=True, timeout=600)
     out = tmp_path / "out"
     assert r.returncode == 0, (r.stderr[-3000:], (out / "summary.txt").read_text())
     summary = (out / "summary.txt").read_text()
     for stepname in ("install", "pytest", "probe", "gpu_check"):
         assert f"{stepname}: exit 0" in summary, summary
+    assert "backend: skipped (--no-backend)" in summary, summary
     assert "already installed" in (out / "install.log").read_text()
     assert "skipped" in (out / "pytest.txt").read_text()  # no GPU here
     assert json.loads((out / "gpu_check.json").read_text())["ok"]

@@ -4,6 +4,7 @@
 #   tools/gpu_window.sh prepare                # on a CPU machine with a package index, beforehand
 #   tools/gpu_window.sh                        # on the CUDA machine (torch preinstalled, no index)
 #   tools/gpu_window.sh --device cpu --small   # the same steps on CPU, end to end
+#   ... --no-backend                           # without the torch.compile backend's step
 #
 # `prepare` fills .gpu_window/ (git-ignored; carry it with the working tree):
 #   wheels/  msgspec (the runtime's one dependency besides torch), lark, and
@@ -31,7 +32,7 @@
 #                                   backend (aot_eager, inductor) on gpt2-mid, predicted and
 #                                   measured by the caching allocator, gradients against eager
 #   summary.txt                     each step's exit code and seconds
-# Arguments other than --device, --small and --plans go to gpu_check.py.
+# Arguments other than --device, --small, --plans and --no-backend go to gpu_check.py.
 # Exit code: 0 when every step exited 0, 1 when one did not, 2 without a Python that has torch.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -89,6 +90,7 @@ EOF
 fi
 
 DEVICE=cuda
+NO_BACKEND=0
 SMALL=()
 PLANS="$WINDOW/plans"
 EXTRA=()
@@ -97,6 +99,7 @@ while [ $# -gt 0 ]; do
         --device) DEVICE="$2"; shift 2 ;;
         --small) SMALL=(--small); shift ;;
         --plans) PLANS="$2"; shift 2 ;;
+        --no-backend) NO_BACKEND=1; shift ;;
         *) EXTRA+=("$1"); shift ;;
     esac
 done
@@ -162,7 +165,9 @@ step gpu_check 300 "$PY" tools/gpu_check.py --device "$DEVICE" ${SMALL[@]+"${SMA
     --md "$OUT/gpu_check.md" --json "$OUT/gpu_check.json" ${EXTRA[@]+"${EXTRA[@]}"} > /dev/null 2> "$OUT/gpu_check.log"
 # $BACKEND_MODEL: another model for the backend's step (a family such as llama)
 [ ${#SMALL[@]} -eq 0 ] && BACKEND_MODEL="${BACKEND_MODEL:-gpt2-mid}" || BACKEND_MODEL="${BACKEND_MODEL:-examples/gpt_narrow.py}"
-if "$PY" -c "import cvxpy" 2> /dev/null; then
+if [ "$NO_BACKEND" = 1 ]; then
+    echo "backend: skipped (--no-backend)" | tee -a "$SUMMARY" >&2
+elif "$PY" -c "import cvxpy" 2> /dev/null; then
     step backend "${BACKEND_LIMIT_S:-240}" "$PY" tools/backend_memory.py --device "$DEVICE" --model "$BACKEND_MODEL" \
         --threads 8 --md "$OUT/backend.md" > /dev/null 2> "$OUT/backend.log"
 else
