@@ -563,10 +563,12 @@ def apply_plan(a: Analysis, keep: list[bool], budget=None) -> Program:
 
 
 def simulated_peak(program: Program, scope: str) -> tuple[int, object]:
-    """Max over first step (no .grad) and steady state of the scope's peak."""
+    """Max over first step (no .grad) and steady state of the scope's peak.
+    (No `top`: the optimizer reads peaks only, and the storages at the peak
+    cost the simulator a second pass.)"""
     best, rep_best = -1, None
     for gp in (True, False):
-        rep = simulate(program, grads_present=gp)
+        rep = simulate(program, grads_present=gp, top_k=0)
         v = rep.scope_peak(scope)
         if v > best:
             best, rep_best = v, rep
