@@ -454,21 +454,28 @@ def densify(run: Run, choice: dict) -> bool:
     return added
 
 
-def fit_options(run: Run, budget: float, frontier) -> bool:
+def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -> bool:
     """Options cut to the room the chain leaves each segment.  The first
     option sets sample kept size and transient peak on fixed levels; the
     cheapest plan often pairs a segment's cheaper, larger-peak option with
     smaller kept sizes before it.  The chain DP's frontier before each
     segment lists the kept sizes S that can precede it, so solve each class
     again with its peak capped at budget - S (a few such S per class, spread
-    over the frontier).  Returns whether any option was added."""
+    over the frontier), and the room the chosen plan (`choice`) leaves each
+    segment.  Returns whether any option was added."""
     if frontier is None:
         return False
     segs_dp, steps = frontier
     per_class = run.settings.fit_per_class
     classes = run.problem.decomposition.classes
     caps: dict[str, set] = {}
+    chosen: dict[str, set] = {}
+    before = 0.0  # bytes the chosen plan's segments before this one keep
     for k, s in enumerate(segs_dp):
+        if choice is not None and s.decisions and before < budget:
+            chosen.setdefault(s.signature, set()).add(budget - before)
+        if choice is not None and s.index in choice:
+            before += choice[s.index].retained
         if not s.decisions or k >= len(steps) + 1:
             continue
         prefixes = {0.0} if k == 0 else set(steps[k - 1][:, 0].tolist())
@@ -479,6 +486,7 @@ def fit_options(run: Run, budget: float, frontier) -> bool:
         cs = sorted(cs)
         if len(cs) > per_class:
             cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
+        cs = sorted(set(cs) | chosen.get(sig, set()))
         solves = [(f"peak<={human_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
         added = add_options(run, inst[0], inst, solves) or added
     return added
@@ -533,7 +541,7 @@ def search(run: Run, budget: int) -> Plan | None:
                 break  # diminishing returns
         else:
             break
-    if plan.cost > 0 and not run.out_of_time() and fit_options(run, budget, frontier):
+    if plan.cost > 0 and not run.out_of_time() and fit_options(run, budget, frontier, choice):
         got = combine(run, target, f"budget {human_bytes(budget)} (options fitted to the room)")
         if got is not None:
             kept, modeled, ch2, _ = got
