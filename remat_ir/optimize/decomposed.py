@@ -486,7 +486,8 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
         cs = sorted(cs)
         if len(cs) > per_class:
             cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
-        cs = sorted(set(cs) | chosen.get(sig, set()))
+        if chosen.get(sig):  # the tightest room the chosen plan leaves an instance of the class
+            cs = sorted(set(cs) | {min(chosen[sig])})
         solves = [(f"peak<={human_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
         added = add_options(run, inst[0], inst, solves) or added
     return added
