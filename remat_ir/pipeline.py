@@ -268,18 +268,6 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
     ValueError)."""
     check_budget(budget)
     time_limit = check_time_limit(time_limit)
-    from remat_ir.trace.calls import autocast_off
-
-    # A plan depends on the program, the budget and the options, not on an
-    # autocast the caller (wrap's first call) is inside: the program's ops
-    # carry their casts, and the verifier's and rewrites' fake runs of them
-    # must not cast again (CUDA autocast runs `sum` in float32).
-    with autocast_off():
-        return _fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort,
-                    stats=stats, memo=memo, exact=exact)
-
-
-def _fit(program: Program, budget, *, scope, time_limit, solver, effort, stats, memo, exact) -> Program:
     if budget is None:
         return _verified(program, stats)
     if sizes.is_symbolic(program):

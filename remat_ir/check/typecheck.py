@@ -48,13 +48,12 @@ torch is imported on the first call, not with the module.
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import re
 
 from remat_ir.ir.guards import Guard, GuardError
-from remat_ir.ir.ops import fake_kernels
+from remat_ir.ir.ops import autocast_off, fake_kernels
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.types import (
     COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, MAX_NESTING, OPTIMIZER_STATES, PARAM, RESULT,
@@ -87,20 +86,6 @@ def device_problem(name) -> str:
             f"from 0 to 127){hint}")
 
 Loc = tuple  # (section, index, line)
-
-
-@contextlib.contextmanager
-def _no_autocast():
-    """Every autocast in effect switched off: the graph's ops carry their
-    casts, and the verdict must not depend on an autocast the caller is in
-    (CUDA autocast runs `sum` in float32, CPU autocast `mm` in bfloat16)."""
-    import torch
-
-    with contextlib.ExitStack() as stack:
-        for d in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(d):
-                stack.enter_context(torch.autocast(d, enabled=False))
-        yield
 
 
 def typecheck(program: Program) -> list[tuple[Loc, str]]:
@@ -198,7 +183,9 @@ class _Checker:
         log = logging.getLogger(self.ft.__name__)
         was_disabled, log.disabled = log.disabled, True
         try:
-            with _no_autocast(), self.ft.FakeTensorMode(allow_non_fake_inputs=False) as mode, \
+            # The verdict must not depend on an autocast the caller is in (CUDA
+            # autocast runs `sum` in float32, CPU autocast `mm` in bfloat16).
+            with autocast_off(), self.ft.FakeTensorMode(allow_non_fake_inputs=False) as mode, \
                     fake_kernels(self.device.type):
                 self.mode = mode
                 for i, n in enumerate(self.p.nodes):

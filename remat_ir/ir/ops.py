@@ -163,6 +163,18 @@ def device_problems(ops, device: str) -> list[str]:
 
 
 @contextlib.contextmanager
+def autocast_off(device_types=("cpu", "cuda")):
+    """Every autocast in effect for `device_types` switched off within the
+    block: a program's ops carry their casts, so running them (on fake
+    tensors or real) under a caller's autocast must not cast them again."""
+    with contextlib.ExitStack() as stack:
+        for d in device_types:
+            if torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
 def fake_kernels(device_type: str):
     """Fake kernels for ops whose meta function refuses what the device's
     kernel runs: `aten._grouped_mm`'s (written for CUDA) takes bfloat16

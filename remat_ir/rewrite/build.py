@@ -12,7 +12,7 @@ import torch
 
 from remat_ir.ir import VALUE, Node, Output, Program, Value, node_inputs
 from remat_ir.ir.fingerprint import fingerprint
-from remat_ir.ir.ops import resolve, torch_arg
+from remat_ir.ir.ops import autocast_off, resolve, torch_arg
 from remat_ir.ir.schedule import default_schedule
 
 __all__ = ["GraphEdit", "matmul_flops", "without_dead_views"]
@@ -66,7 +66,9 @@ class GraphEdit:
         """A new node named after `base` calling `op` on `args` (value names
         as `Ref`s), with its output values declared; not yet placed."""
         name = self.unique(base)
-        with self.mode:
+        # (The op as written: an autocast the caller is in, wrap's first call
+        # or its model check, must not cast it.)
+        with autocast_off(), self.mode:
             out = resolve(op)(*[torch_arg(a, self.fake) for a in args])
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         names = [name] if len(outs) == 1 else [self.unique(f"{name}:{k}") for k in range(len(outs))]

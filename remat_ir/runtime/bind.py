@@ -180,11 +180,9 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
     if program.header.rewrites:
         from remat_ir.rewrite import NotApplicable, apply
-        from remat_ir.trace.calls import autocast_off
 
         try:
-            with autocast_off():  # the rewrites' ops run on fake tensors; the caller's autocast must not cast them
-                fresh = apply(fresh, program.header.rewrites)
+            fresh = apply(fresh, program.header.rewrites)
         except NotApplicable as e:
             raise PlanMismatch(f"the plan's rewrites ({', '.join(program.header.rewrites)}) do not apply to "
                                f"this model's step: {e}; {_RECOMPILE}", program.header.lines.get("rewrites", 0)) from e

@@ -30,7 +30,6 @@ traced under one runs only under the same (`autocast_state`).
 from __future__ import annotations
 
 import ast
-import contextlib
 import inspect
 import math
 import re
@@ -38,6 +37,8 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from remat_ir.ir.ops import autocast_off  # noqa: F401 - (re-exported: the tracer and the runtime use it from here)
 
 __all__ = ["Call", "CallError", "autocast_off", "autocast_state", "constant_text", "constants_map",
            "describe_autocast", "parse_autocast", "read_constant", "rebuildable", "split_call"]
@@ -361,11 +362,3 @@ def describe_autocast(text: str) -> str:
     return f"torch.autocast({device_type!r}, dtype=torch.{name})"
 
 
-@contextlib.contextmanager
-def autocast_off(device_types=("cpu", "cuda")):
-    """Every autocast in effect for `device_types` switched off within the block."""
-    with contextlib.ExitStack() as stack:
-        for d in device_types:
-            if torch.is_autocast_enabled(d):
-                stack.enter_context(torch.autocast(d, enabled=False))
-        yield
