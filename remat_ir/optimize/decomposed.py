@@ -461,19 +461,19 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
     smaller kept sizes before it.  The chain DP's frontier before each
     segment lists the kept sizes S that can precede it, so solve each class
     again with its peak capped at budget - S (a few such S per class, spread
-    over the frontier), and the room the chosen plan (`choice`) leaves each
-    segment.  Returns whether any option was added."""
+    over the frontier), and the tightest room the chosen plan (`choice`)
+    leaves an instance of the class.  Returns whether any option was added."""
     if frontier is None:
         return False
     segs_dp, steps = frontier
     per_class = run.settings.fit_per_class
     classes = run.problem.decomposition.classes
     caps: dict[str, set] = {}
-    chosen: dict[str, set] = {}
+    tightest: dict[str, float] = {}
     before = 0.0  # bytes the chosen plan's segments before this one keep
     for k, s in enumerate(segs_dp):
         if choice is not None and s.decisions and before < budget:
-            chosen.setdefault(s.signature, set()).add(budget - before)
+            tightest[s.signature] = min(tightest.get(s.signature, budget), budget - before)
         if choice is not None and s.index in choice:
             before += choice[s.index].retained
         if not s.decisions or k >= len(steps) + 1:
@@ -486,8 +486,8 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
         cs = sorted(cs)
         if len(cs) > per_class:
             cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
-        if chosen.get(sig):  # the tightest room the chosen plan leaves an instance of the class
-            cs = sorted(set(cs) | {min(chosen[sig])})
+        if sig in tightest:
+            cs = sorted(set(cs) | {tightest[sig]})
         solves = [(f"peak<={human_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
         added = add_options(run, inst[0], inst, solves) or added
     return added
