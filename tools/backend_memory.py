@@ -111,11 +111,13 @@ def reference_grads(base, call, backend=None) -> list[torch.Tensor]:
 def grad_difference(ref: list[torch.Tensor], got: list[torch.Tensor]) -> str:
     """"bitwise", or the largest difference from `ref` relative to the
     largest reference gradient."""
+    from remat_ir.cli.measure import compare_grads
+
     if len(got) != len(ref):
-        return f"{len(got)} gradients, eager has {len(ref)}"
-    if all(torch.equal(a, b) for a, b in zip(ref, got)):
+        return f"{len(got)} gradients, the reference has {len(ref)}"
+    equal, diff = compare_grads(ref, got)
+    if equal:
         return "bitwise"
-    diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref, got))
     scale = max(float(a.double().abs().max()) for a in ref) or 1.0
     return f"{diff / scale:.1e} relative"
 
