@@ -124,6 +124,7 @@ def programs(draw) -> Program:
                                    any_text)),
         has_loss=draw(st.booleans()),
         autocast=draw(st.one_of(st.sampled_from(["", "cpu:bfloat16", "cuda:float16"]), any_text)),
+        held_gradients=draw(st.booleans()),
         constants=draw(st.lists(st.one_of(st.just("scale=2.0"), any_text), max_size=2)),
         guards=draw(st.lists(st.one_of(st.just("aten.all.default(aten.eq.Scalar(m, 1)) == True"), any_text),
                              max_size=2)),
@@ -374,6 +375,9 @@ class _ToProgram(lark.Transformer):
 
     def autocast(self, c):
         return [("autocast", _word(c[0]))]
+
+    def held_gradients(self, c):
+        return [("held_gradients", str(c[0].children[0]) == "true")]
 
     def constants(self, c):
         return [("constants", [_string(x) for x in c])]

@@ -20,8 +20,9 @@ the step, so the table has:
   forward's results: the loss, and logits where the model returns them; with aot_eager the RNG states a recomputed dropout replays, 5,056
   bytes each), against the plan's saved set (what its backward reads and
   does not compute, less what existed before the step) plus its results;
-* activation peak: the step's peak above what existed before it, against
-  the plan's simulated activation peak (`simulate(plan, grads_present=True)`);
+* step peak: the step's peak above what existed before it, against the
+  plan's simulated one (`simulate(plan, grads_present=True).step_peak_bytes`:
+  the activation peak plus the gradients the compiled backward holds then);
   with aot_eager on CPU also the storage tracker's measurement.
 
 On CUDA (`--device cuda`) the caching allocator's statistics
@@ -187,7 +188,7 @@ def run_one(base, call, budget: float, inner: str, ref: list[torch.Tensor], devi
     row["regions"] = len(plans)
     row["recomputed"] = sum(1 for p in plans for i in p.backward if i.kind == "recompute")
     row["unoptimized"] = sum(p.header.budget.bytes for p in plans) / budget  # (the budget resolved)
-    row["pred_act"] = sum(simulate(p, grads_present=True).activation_peak_bytes for p in plans)
+    row["pred_act"] = sum(simulate(p, grads_present=True).step_peak_bytes for p in plans)
     row["pred_saved"] = sum(predicted_saved(p) for p in plans)
     gc.collect()
     torch.manual_seed(2)
@@ -216,7 +217,7 @@ def table(name: str, rows: list[dict], grad_bytes: int, device: str = "cpu", eag
              f"Parameters' gradients (held until a compiled backward returns): {grad_bytes:,} bytes "
              f"({grad_bytes / MiB:.2f} MiB).  Eager PyTorch twice at the same seeds: {eager}.", "",
              "| inner | budget | region's unoptimized act. peak | recomputed | predicted saved + results | live after forward (measured) "
-             "| predicted activation peak | measured (allocator) | measured (storage tracker) | measured - predicted "
+             "| predicted step peak | measured (allocator) | measured (storage tracker) | measured - predicted "
              "| gradients vs reference (aot_eager: eager; inductor: stock inductor) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

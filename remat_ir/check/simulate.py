@@ -16,7 +16,11 @@ interpreter and autograd do at run time:
   to autograd: with `.grad` present it is added in place and dropped; with
   `.grad` absent its storage becomes `.grad` (or, when its strides differ from
   the parameter's, autograd clones it into a fresh storage first);
-* forward results are held by the caller until the step ends.
+* forward results are held by the caller until the step ends;
+* in a compiled backward (`header.held_gradients`) each gradient is held
+  until backward returns (the plan's gradient outputs are views taken at its
+  end): the storage a gradient output views counts as gradients, not
+  temporaries, from its allocation.
 
 The peak is taken after each allocation, before the frees that follow.
 """
@@ -75,6 +79,13 @@ class MemoryReport:
     def baseline_bytes(self) -> int:
         return sum(self.baseline.values())
 
+    @property
+    def step_peak_bytes(self) -> int:
+        """The most the step holds above what existed before it: what a
+        measurement from the step's start sees (with `.grad` present, the
+        activation peak, plus any gradient a compiled backward holds)."""
+        return self.peak_bytes - self.baseline_bytes
+
     def scope_peak(self, scope: str) -> int:
         return self.peak_bytes if scope == "total" else self.activation_peak_bytes
 
@@ -111,8 +122,7 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
           stop_at: int | None) -> MemoryReport:
     values = program.value_map()
     nodes = program.node_map()
-    phase = {o: n.phase for n in program.nodes for o in n.outputs if o}
-    category = {v.name: _category(v, phase) for v in program.values}
+    category = value_categories(program)
     opt_bytes = program.header.optim_state_bytes if optim_state_bytes is None else optim_state_bytes
 
     grad_of: dict[str, list[str]] = {}  # grad value -> keys (param/input names) it is the grad of
@@ -273,6 +283,19 @@ def dense_bytes(v) -> int:
     for d in v.shape:
         n *= d
     return n
+
+
+def value_categories(program: Program) -> dict[str, str]:
+    """The breakdown category of each value's storage, counted from its allocation."""
+    phase = {o: n.phase for n in program.nodes for o in n.outputs if o}
+    category = {v.name: _category(v, phase) for v in program.values}
+    if program.header.held_gradients:
+        values = program.value_map()
+        for o in program.outputs:
+            s = values[o.value].storage if o.kind == GRAD else None
+            if s is not None and phase.get(s) == BACKWARD:
+                category[s] = GRADIENTS
+    return category
 
 
 def _category(v, phase: dict[str, str]) -> str:

@@ -69,9 +69,9 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
         notes.append("remat-ir backend: `torch.compile(backend=remat_ir.backend(B, inner=\"aot_eager\"))`, the "
                      "torch.compile rows' inner compiler; each compiled region is planned to B x its own "
                      "unoptimized activation peak (the plan made at the first step's compile, counted in its "
-                     "compile time); \"predicted act.\" is the simulator's activation peak for that plan. "
-                     "A compiled backward returns every gradient at its end, which raises the floor of "
-                     "parameter-heavy regions (docs/13-torch-compile.md).")
+                     "compile time); \"predicted act.\" is the simulator's step peak for that plan: its "
+                     "activation peak plus the gradients a compiled backward holds until it returns, which "
+                     "the budget leaves out (docs/13-torch-compile.md).")
     comp = [r for r in rows if r.family in ("compile", "backend")]
     if comp:
         notes.append("torch.compile: dynamo was reset before the compile rows; each budget compiles its own "

@@ -194,8 +194,8 @@ def prep_backend(ctx: Context, budget: float) -> Prepared:
         if not be.plans:
             return
         reps = [simulate(p, grads_present=True) for p in be.plans]
-        # One region (fullgraph): its activation peak; several: an upper bound.
-        prep.predicted_act = sum(r.activation_peak_bytes for r in reps)
+        # One region (fullgraph): its step peak; several: an upper bound.
+        prep.predicted_act = sum(r.step_peak_bytes for r in reps)
         prep.program = be.plans[0] if len(be.plans) == 1 else be.plans
         n_re = sum(1 for p in be.plans for ins in p.backward if ins.kind == "recompute")
         prep.extra = f"{n_re} recomputed" + (f", {len(be.plans)} regions" if len(be.plans) > 1 else "")

@@ -24,7 +24,7 @@ from remat_ir.ir.types import MAX_NESTING, Program, arg_depth
 # and what recomputing an op is believed to cost.
 _NOT_HASHED = frozenset({"line", "lines", "flops", "time_us"})
 _HEADER_HASHED = ("version", "device", "has_loss", "output_spec", "optim", "optim_state_bytes")
-_HEADER_HASHED_WHEN_SET = ("rewrites", "autocast", "constants", "guards", "sizes", "size_guards")
+_HEADER_HASHED_WHEN_SET = ("rewrites", "autocast", "held_gradients", "constants", "guards", "sizes", "size_guards")
 
 
 def fingerprint(program: Program) -> str:

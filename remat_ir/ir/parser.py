@@ -88,8 +88,8 @@ _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 # expects it: elsewhere the same word is a name.
 KEYWORDS = frozenset({
     "rir", "model", "fingerprint", "device", "cost", "flops", "profile", "optimizer", "bytes",
-    "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "autocast", "constants", "guards",
-    "sizes", "size_guards",
+    "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "autocast", "held_gradients",
+    "constants", "guards", "sizes", "size_guards",
     "true", "false",
     "values", "input", "param", "buffer", "tangent", "value", "stride", "view", "of", "source",
     "requires_grad", "aliases", "graph", "forward", "backward", "_", "none", "inf", "nan",
@@ -474,6 +474,8 @@ class _Reader:
                 self.i += 1
                 items.append(self.string())
             setattr(h, field, items)
+        elif field == "held_gradients":
+            h.held_gradients = self.choice(("true", "false")) == "true"
         else:
             h.has_loss = self.choice(("true", "false")) == "true"
 

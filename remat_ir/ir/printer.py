@@ -275,6 +275,8 @@ class _Printer:
             hl["rewrites"] = emit(f"rewrites {', '.join(_word(r) for r in h.rewrites)}")
         if h.autocast:
             hl["autocast"] = emit(f"autocast {_word(h.autocast)}")
+        if h.held_gradients:
+            hl["held_gradients"] = emit("held_gradients true")
         for field in ("constants", "guards"):
             if getattr(h, field):
                 hl[field] = emit(f"{field} {', '.join(_quote(x) for x in getattr(h, field))}")

@@ -21,6 +21,7 @@ The grammar is `grammar/rir.lark` (installed as the package data of
     output_spec "[1, {\\"type\\": null, ...}]"
     rewrites chunked_loss:8                     # graph rewrites applied (line absent: none)
     autocast cpu:bfloat16                       # the caller's torch.autocast (line absent: none)
+    held_gradients true                         # a compiled backward: gradients held until it returns
     constants "scale=2.0", "use_cache=False"    # the call's non-tensor arguments
     guards "aten.all.default(aten.eq.Scalar(attention_mask, 1)) == True"   # decisions on input values
 
@@ -169,7 +170,7 @@ MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format", "channels_la
                             "channels_last_3d"})
 SPECIALS = ("inf", "-inf", "nan")
 HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec",
-                 "rewrites", "autocast", "constants", "guards", "sizes", "size_guards")
+                 "rewrites", "autocast", "held_gradients", "constants", "guards", "sizes", "size_guards")
 VALUE_DECL_KINDS = (INPUT, PARAM, BUFFER, TANGENT, VALUE)
 
 # Keywords that can stand where a name can, so a value of that name is

@@ -201,6 +201,12 @@ class Header(msgspec.Struct, omit_defaults=True):
     # The caller's `torch.autocast` the step was traced under: "<device type>:<dtype>"
     # ("cpu:bfloat16"); empty when none was on.  The step runs only under the same.
     autocast: str = ""
+    # A compiled backward (`remat_ir.backend`): it returns its gradients together
+    # when it ends, so each is held from its computation until then
+    # (`remat_ir.trace.joint.hold_gradients`), and the simulator counts the
+    # storage a gradient output views as gradients, not as step memory, from
+    # its allocation: a budget in scope "activations" leaves them out.
+    held_gradients: bool = False
     # The call's non-tensor arguments, each "name=literal" (a Python literal:
     # "scale=2.0", "use_cache=False"); a call with other values is another step.
     constants: list[str] = []

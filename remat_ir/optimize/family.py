@@ -46,7 +46,7 @@ from remat_ir.ir import (
     BACKWARD, BUFFER, COMPUTE, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
     Instr, Program, node_inputs,
 )
-from remat_ir.check.simulate import ACTIVATIONS, TEMPORARIES, simulate
+from remat_ir.check.simulate import ACTIVATIONS, TEMPORARIES, simulate, value_categories
 from remat_ir.ir.types import DEFAULT_SCOPE
 
 NEVER = 1 << 40  # "no stage"
@@ -286,6 +286,9 @@ class Analysis:
         for idx, ins in enumerate(bwd_i):
             if ins.kind == COMPUTE:
                 stage_of[idx] = self.bidx[ins.target]
+        # What `other` counts: every storage in scope "total"; in scope
+        # "activations" the temporaries (a held gradient is not one).
+        counted = value_categories(p)
         const_b = np.zeros(nb, dtype=np.int64)
         const_pre = np.zeros(nb, dtype=np.int64)
         start = 0
@@ -308,7 +311,8 @@ class Analysis:
                     if j not in seen:
                         seen.add(j)
                         own = sum(values[o].nbytes for o in self.bwd[j].outputs
-                                  if o and values[o].storage == o)
+                                  if o and values[o].storage == o
+                                  and (self.scope == "total" or counted[o] == TEMPORARIES))
                         const_pre[j] = max(const_pre[j], other - own)
             if self.scope == "total":
                 base_f = max(base_f, rep.baseline_bytes)

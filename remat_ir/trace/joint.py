@@ -193,6 +193,7 @@ def joint_program(joint: fx.GraphModule, primals: list[Primal], num_fwd_outputs:
         program = _to_program(copy, params, buffers, inputs, in_names, trainable, grad_inputs, diff, spec,
                               False, model_name)
     program.header.comment.append("the joint graph of a torch.compile region (AOTAutograd)")
+    program.header.held_gradients = True
     program.header.fingerprint = fingerprint(program)
     for n, c in env.items():
         for key in ("remat_node", "remat_value"):
