@@ -155,3 +155,31 @@ def test_the_problem_carries_the_scope(tiny):
     assert r.scope == "total" and r.mode == "none"
     with pytest.raises(ValueError, match="in scope total"):
         search.optimize(total, 10 ** 9, scope="activations")
+
+
+def test_a_room_below_a_class_s_proven_least_peak_is_not_solved(tiny):
+    """The least-peak MILP's dual bound is a bound: no plan of the class
+    fits under it (the MILP capped just below it has none), and one capped
+    at the least peak found has one.  `fit_options` skips a room below it
+    (a record of method "bound") rather than solving it."""
+    from remat_ir.optimize.decomposed import solve_class
+    from remat_ir.optimize.problem import Run
+
+    problem = Problem.of(tiny, SCOPE)
+    run = Run(problem, Settings(), Memo(), None)
+    bounded = 0
+    for inst in problem.decomposition.classes.values():
+        canon = inst[0]
+        if not canon.decisions:
+            continue
+        kept, least = solve_class(run, canon, "peak", "min peak", gap=Settings().peak_gap)
+        assert kept is not None
+        bound = run.memo.peak_bounds.get(canon.signature)
+        if bound is None:
+            continue  # the least peak is the constants': no bound on the plans
+        bounded += 1
+        assert 0 < bound <= least
+        below, _ = solve_class(run, canon, "cost", "below the bound", B=bound)
+        at, _ = solve_class(run, canon, "cost", "at the least peak", B=least * (1 + 1e-6) + 1)
+        assert below is None and at is not None
+    assert bounded

@@ -109,6 +109,11 @@ def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None,
             break
         learned |= new
     bval = float(c.B.value) if (objective == "peak" and c.B.value is not None) else None
+    if objective == "peak" and R is None and kept is not None:
+        bound = c.peak_lower_bound()
+        if bound is not None:
+            bounds = memo.peak_bounds
+            bounds[canon.signature] = max(bounds.get(canon.signature, bound), bound)
     return kept, bval
 
 
@@ -489,6 +494,15 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
         if sig in tightest:
             cs = sorted(set(cs) | {tightest[sig]})
         solves = [(f"peak<={human_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
+        bound = run.memo.peak_bounds.get(sig)
+        if bound is not None:
+            # Below the class's proven least peak: infeasible without a solve
+            # (an infeasible MILP is among the slowest to end).
+            for label, caps in solves:
+                if caps["B"] < bound:
+                    run.solves.append(SolveRecord(OPTION, f"{inst[0].name} {label}", "infeasible", 0.0,
+                                                  method="bound"))
+            solves = [(label, caps) for label, caps in solves if caps["B"] >= bound]
         added = add_options(run, inst[0], inst, solves) or added
     return added
 

@@ -91,7 +91,7 @@ class SolveRecord:
     round: int = 0  # the round of a lazy search (memory rows added between rounds); 0: not lazy
     rows: int | None = None  # memory rows in the model; None: every row
     nodes: int | None = None  # branch-and-bound node limit; None: solved to the gap
-    method: str = "MILP"  # or "DP" (the chain combine)
+    method: str = "MILP"  # or "DP" (the chain combine), or "bound" (not solved: below a proven bound)
     variables: int = 0
     binaries: int = 0
     constraints: int = 0
@@ -686,6 +686,29 @@ class Compiled:
         else:
             raise ValueError(objective)
         self.problem = cp.Problem(cp.Minimize(obj), cons)
+
+    def peak_lower_bound(self) -> float | None:
+        """After a solve of the "peak" objective: a cap in bytes under which
+        no plan meets this model's memory rows (or any superset of them),
+        from the backend's dual bound (HiGHS only), or None."""
+        if self.objective != "peak":
+            return None
+        try:
+            dual = float(self.problem.solver_stats.extra_stats.mip_dual_bound)
+        except Exception:  # noqa: BLE001 - no dual bound from this backend: no bound
+            return None
+        if not np.isfinite(dual):
+            return None
+        m = self.m
+        # The objective is B * scale + 1e-4 * cost: take the most the cost term can be.
+        ub = np.concatenate([np.ones(m.ny), np.asarray(m.xub, dtype=float)])
+        most = 1e-4 * float(np.clip(m._cost, 0.0, None) @ ub)
+        bound = (dual - most) / m.scale
+        # B is at least the constants (`B >= const_mem`), which a MILP with B
+        # a cap does not have: only a bound above them bounds its rows.  The
+        # margin covers the solver's tolerances.
+        bound = bound * (1 - 1e-6) - 1.0
+        return bound if bound > m.const_mem else None
 
     def solve(self, kind: str, subject: str, *, round: int = 0, solver: str = "HIGHS", time_limit: float = 60.0,
               warm: bool = False, log=None, rel_gap: float = 1e-6, nodes: int | None = None):

@@ -208,6 +208,9 @@ class Memo:
     options: dict[int, list[Option]] = field(default_factory=dict)  # segment -> its Pareto options
     classes_with_budget_options: set[str] = field(default_factory=set)  # (else the floor's options only)
     extremes: dict[str, dict] = field(default_factory=dict)  # block class -> its least-kept and least-peak plans
+    # Block class -> a proven lower bound of its local peak (the least-peak
+    # MILP's dual bound): a MILP capped below it has no plan, so none is solved.
+    peak_bounds: dict[str, float] = field(default_factory=dict)
     floor_options_proven: bool = False  # the least-peak option MILPs solved again to the option gap
     floor: Floor | None = None
     # Block options by (class signature, node names), shared by the memos of
