@@ -183,3 +183,19 @@ def test_a_room_below_a_class_s_proven_least_peak_is_not_solved(tiny):
         at, _ = solve_class(run, canon, "cost", "at the least peak", B=least * (1 + 1e-6) + 1)
         assert below is None and at is not None
     assert bounded
+
+
+def test_block_classes_on_threads_give_the_serial_plan_and_records(tiny):
+    """`Settings.workers` solves block classes at once; each class keeps to
+    its own part of the memo, so the plan, and the solve records and log in
+    their order, are the serial run's."""
+    budget = int(0.6 * unoptimized_peak(tiny, SCOPE))
+    runs = []
+    for workers in (1, 2):
+        lines = []
+        r = search.decomposed(Problem.of(tiny, SCOPE), budget, Settings(workers=workers), Memo(),
+                              log=lines.append)
+        runs.append((format_program(r.program), [(s.kind, s.subject, s.status, s.objective) for s in r.solves],
+                     [line.split(": ")[0] for line in lines]))
+    assert len({c.signature for c in Problem.of(tiny, SCOPE).decomposition.segs if c.decisions}) > 1
+    assert runs[0] == runs[1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from remat_ir.ir.printer import human_bytes
 from remat_ir.optimize.blocks import Segment
 from remat_ir.optimize.family import occupancy
 from remat_ir.optimize.flat import highest
-from remat_ir.optimize.milp import COMBINE, OPTION, WINDOW, KeepModel, SolveRecord, pick_options
+from remat_ir.optimize.milp import COMBINE, OPTION, WINDOW, KeepModel, SolveRecord, pick_options, silenced
 from remat_ir.optimize.problem import Option, Plan, Run
 
 
@@ -38,39 +39,60 @@ def ensure_options(run: Run, floor_only: bool = False) -> None:
     same model already solved (`Memo.shared`: the rungs of the rewrite
     ladder share their blocks) starts from that graph's options, mapped by
     node name, and is not solved again."""
-    d = run.problem.decomposition
+    per_class(run, lambda r, item: _ensure_class(r, *item, floor_only),
+              list(run.problem.decomposition.classes.items()))
+
+
+def per_class(run: Run, fn, items: list) -> list:
+    """`fn(run, item)` for each block class's `item`, on up to
+    `settings.workers` threads (HiGHS lets go of the GIL while it solves).
+    Each class reads and extends only its own part of the memo, so what
+    they find does not depend on the order the threads end in; each class's
+    solve records and log lines are taken back in `items`' order, as a
+    serial run has them."""
+    workers = min(run.settings.workers, len(items)) if run.settings.solver == "HIGHS" else 1
+    if workers <= 1:
+        return [fn(run, item) for item in items]
+    children = [run.child() for _ in items]
+    with silenced(), ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(fn, children, items))
+    for child in children:
+        run.adopt(child)
+    return results
+
+
+def _ensure_class(run: Run, sig: str, inst: list[Segment], floor_only: bool) -> None:
     memo = run.memo
     fwd = run.a.fwd
-    for sig, inst in d.classes.items():
-        canon = inst[0]
-        if not canon.decisions:
-            if canon.index not in memo.options:
-                evaluate_options(run, canon, inst, [frozenset()])
+    canon = inst[0]
+    if not canon.decisions:
+        if canon.index not in memo.options:
+            evaluate_options(run, canon, inst, [frozenset()])
+        return
+    key = (sig, tuple(fwd[i].name for i in canon.nodes))
+    seen = memo.shared.setdefault(key, {}) if memo.shared is not None else {}
+    index = {fwd[i].name: i for i in canon.nodes}
+    for kind, make, wanted in (("floor", floor_options, True), ("budget", budget_options, not floor_only)):
+        done = canon.index in memo.options if kind == "floor" else sig in memo.classes_with_budget_options
+        if done or not wanted:
             continue
-        key = (sig, tuple(fwd[i].name for i in canon.nodes))
-        seen = memo.shared.setdefault(key, {}) if memo.shared is not None else {}
-        index = {fwd[i].name: i for i in canon.nodes}
-        for kind, make, wanted in (("floor", floor_options, True), ("budget", budget_options, not floor_only)):
-            done = canon.index in memo.options if kind == "floor" else sig in memo.classes_with_budget_options
-            if done or not wanted:
-                continue
-            if kind in seen:
-                opts = [frozenset(index[n] for n in names) for names in seen[kind]]
-                if kind == "floor":
-                    least = {k: None if v is None else frozenset(index[n] for n in v)
-                             for k, v in seen["extremes"].items()}
-                    memo.extremes[sig] = dict(least, peak=None if least["least peak"] is None
-                                              else local_peak(run, canon, least["least peak"]))
-            else:
-                opts = make(run, canon)
-                seen[kind] = [frozenset(fwd[i].name for i in o) for o in opts]
-                if kind == "floor":
-                    seen["extremes"] = {k: None if memo.extremes[sig][k] is None
-                                        else frozenset(fwd[i].name for i in memo.extremes[sig][k])
-                                        for k in ("least kept", "least peak")}
-            if kind == "budget":
-                memo.classes_with_budget_options.add(sig)
-            evaluate_options(run, canon, inst, opts)
+        if kind in seen:
+            opts = [frozenset(index[n] for n in names) for names in seen[kind]]
+            if kind == "floor":
+                least = {k: None if v is None else frozenset(index[n] for n in v)
+                         for k, v in seen["extremes"].items()}
+                memo.extremes[sig] = dict(least, peak=None if least["least peak"] is None
+                                          else local_peak(run, canon, least["least peak"]))
+        else:
+            opts = make(run, canon)
+            seen[kind] = [frozenset(fwd[i].name for i in o) for o in opts]
+            if kind == "floor":
+                seen["extremes"] = {k: None if memo.extremes[sig][k] is None
+                                    else frozenset(fwd[i].name for i in memo.extremes[sig][k])
+                                    for k in ("least kept", "least peak")}
+        if kind == "budget":
+            memo.classes_with_budget_options.add(sig)
+        evaluate_options(run, canon, inst, opts)
 
 
 def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None, R=None, gap=None):
@@ -438,12 +460,10 @@ def kept_of(run: Run, choice: dict) -> set[int]:
 def densify(run: Run, choice: dict) -> bool:
     """Add options next to the ones the combine chose (kept sizes halfway to
     the neighbouring options).  Returns whether any option was added."""
-    added = False
     options = run.memo.options
-    for inst in run.problem.decomposition.classes.values():
+
+    def one(run: Run, inst: list[Segment]) -> bool:
         canon = inst[0]
-        if not canon.decisions:
-            continue
         have = sorted({o.retained for o in options[canon.index]})
         chosen = sorted({choice[s.index].retained for s in inst if s.index in choice})
         caps = set()
@@ -455,8 +475,10 @@ def densify(run: Run, choice: dict) -> bool:
                 caps.add((r + have[i + 1]) / 2)
         caps = {c for c in caps if not any(abs(c - h) < 1 for h in have)}
         solves = [(f"kept<={human_bytes(c)}", dict(R=c + 0.5)) for c in sorted(caps)]
-        added = add_options(run, canon, inst, solves) or added
-    return added
+        return add_options(run, canon, inst, solves)
+
+    classes = [inst for inst in run.problem.decomposition.classes.values() if inst[0].decisions]
+    return any(per_class(run, one, classes))
 
 
 def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -> bool:
@@ -471,7 +493,7 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
     if frontier is None:
         return False
     segs_dp, steps = frontier
-    per_class = run.settings.fit_per_class
+    n_per = run.settings.fit_per_class
     classes = run.problem.decomposition.classes
     caps: dict[str, set] = {}
     tightest: dict[str, float] = {}
@@ -485,12 +507,13 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
             continue
         prefixes = {0.0} if k == 0 else set(steps[k - 1][:, 0].tolist())
         caps.setdefault(s.signature, set()).update(budget - S for S in prefixes if S < budget)
-    added = False
-    for sig, cs in caps.items():
+
+    def one(run: Run, item) -> bool:
+        sig, cs = item
         inst = classes[sig]
         cs = sorted(cs)
-        if len(cs) > per_class:
-            cs = [cs[round(i * (len(cs) - 1) / (per_class - 1))] for i in range(per_class)]
+        if len(cs) > n_per:
+            cs = [cs[round(i * (len(cs) - 1) / (n_per - 1))] for i in range(n_per)]
         if sig in tightest:
             cs = sorted(set(cs) | {tightest[sig]})
         solves = [(f"peak<={human_bytes(cap)} (room)", dict(B=cap)) for cap in dict.fromkeys(cs)]
@@ -498,13 +521,14 @@ def fit_options(run: Run, budget: float, frontier, choice: dict | None = None) -
         if bound is not None:
             # Below the class's proven least peak: infeasible without a solve
             # (an infeasible MILP is among the slowest to end).
-            for label, caps in solves:
-                if caps["B"] < bound:
+            for label, cap in solves:
+                if cap["B"] < bound:
                     run.solves.append(SolveRecord(OPTION, f"{inst[0].name} {label}", "infeasible", 0.0,
                                                   method="bound"))
-            solves = [(label, caps) for label, caps in solves if caps["B"] >= bound]
-        added = add_options(run, inst[0], inst, solves) or added
-    return added
+            solves = [(label, cap) for label, cap in solves if cap["B"] >= bound]
+        return add_options(run, inst[0], inst, solves)
+
+    return any(per_class(run, one, list(caps.items())))
 
 
 # ---------------------------------------------------------------- the searches
@@ -613,12 +637,15 @@ def floor(run: Run) -> Plan:
         # The least-peak option MILPs stopped at the looser gap; the floor is
         # decided by them, so solve them to the option gap too.
         memo.floor_options_proven = True
-        for inst in run.problem.decomposition.classes.values():
+
+        def one(run: Run, inst: list[Segment]) -> None:
             canon = inst[0]
-            if canon.decisions and not run.out_of_time():
+            if not run.out_of_time():
                 kept, _ = solve_class(run, canon, "peak", "min peak (for the floor)")
                 if kept is not None:
                     evaluate_options(run, canon, inst, [frozenset(kept)])
+
+        per_class(run, one, [inst for inst in run.problem.decomposition.classes.values() if inst[0].decisions])
     got = combine(run, None, "least peak")
     cands = []
     if got is not None:

@@ -105,6 +105,27 @@ class SolveRecord:
         return f"{self.kind} {self.subject} ({self.method}{extra})"
 
 
+_SILENCED = [0]  # `silenced()` blocks open
+
+
+@contextlib.contextmanager
+def silenced():
+    """HiGHS's banner off (C-level stdout) and the backends' warnings
+    ignored.  Both are process-wide state, which threads must not swap
+    under each other: while one block is open (the one around solves run on
+    several threads, `decomposed.per_class`), a block inside it does nothing."""
+    if _SILENCED[0]:
+        yield
+        return
+    _SILENCED[0] += 1
+    try:
+        with quiet_stdout(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        _SILENCED[0] -= 1
+
+
 @contextlib.contextmanager
 def quiet_stdout():
     """Silence C-level stdout (HiGHS prints a banner even when not verbose)."""
@@ -745,8 +766,7 @@ def run_solver(problem, solver: str, time_limit: float, rel_gap: float, nodes: i
     values cvxpy reports."""
     status, objv, gap = "error", None, None
     try:
-        with quiet_stdout(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with silenced():
             problem.solve(solver=solver, warm_start=warm,
                           **solver_options(solver, max(time_limit, 0.05), rel_gap, nodes))
         status = problem.status

@@ -72,6 +72,9 @@ class Settings:
     low_peak_levels: int = 1  # least-peak options at the smallest kept levels
     fit_per_class: int = 3  # options cut to the room the chain leaves, per block class
     densify_rounds: int = 3
+    # Block classes whose option MILPs are solved at once, on threads (HiGHS
+    # only; each class extends its own part of the memo, so no plan depends on it).
+    workers: int = 2
     all_windows: bool = False  # refine every pair of adjacent segments, not only a whole-graph window
     combine: str = "auto"  # "auto": the chain DP where it is exact, else the MILP; "milp": always the MILP
 
@@ -276,6 +279,23 @@ class Run:
         self.solves: list[SolveRecord] = []
         self.deadline = time.perf_counter() + settings.time_limit
         self.time_limited = False
+
+    def child(self) -> Run:
+        """A Run for one block class's solves on a worker thread: the same
+        problem, memo and deadline; its own solve records and log lines,
+        which `adopt` takes back."""
+        c = Run.__new__(Run)
+        c.problem, c.settings, c.memo, c.a = self.problem, self.settings, self.memo, self.a
+        c.solves, c.deadline, c.time_limited = [], self.deadline, False
+        c.lines = []
+        c.log = c.lines.append if self.log else None
+        return c
+
+    def adopt(self, child: Run) -> None:
+        self.solves += child.solves
+        self.time_limited |= child.time_limited
+        for line in child.lines:
+            self.say(line)
 
     def say(self, msg: str) -> None:
         if self.log:
