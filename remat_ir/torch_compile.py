@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from remat_ir.ir import RECOMPUTE, TANGENT, Program, node_inputs
 from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
+from remat_ir.trace.device import fuse_cross_entropy_backward
 from remat_ir.trace.joint import joint_program, primals_of
 
 INNERS = ("aot_eager", "inductor")
@@ -112,6 +113,12 @@ class Backend:
 
         region = len(self.plans)
         name = f"{self.model_name or 'torch.compile'} region {region}"
+        if self.inner == "aot_eager":
+            # Cross-entropy's backward writes its second kernel's result over
+            # the first's, as a traced step does on CPU: the same bits, one
+            # logits-sized tensor fewer at the loss, often a region's floor.
+            # (Inductor fuses the pair its own way.)
+            fuse_cross_entropy_backward(joint)
         program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
         path = self.cache_path(program) if self.cache else None
         plan = _load_cached(path, program) if path is not None else None

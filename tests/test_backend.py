@@ -416,3 +416,23 @@ def test_held_gradients_count_as_gradients_not_step_memory():
         # All of them at once, at the end of backward.
         assert max(moved) == held_bytes
         assert a.activation_peak_bytes < b.activation_peak_bytes
+
+
+@pytest.mark.slow
+def test_cross_entropy_backward_written_in_place_keeps_the_bits():
+    """With aot_eager the joint graph's `nll_loss_backward` ->
+    `_log_softmax_backward_data` runs as one op writing its result over the
+    first kernel's (as a traced step does on CPU): one logits-sized tensor
+    fewer at the loss, where a language model's floor often is, and the
+    same bits as eager, measured as predicted."""
+    model, inputs = gpt(layers=1, dropout=0.0, vocab=512, batch=4, seq=32, width=32)
+    be = remat_ir.backend(budget="floor", inner="aot_eager")
+    compiled = train_side_by_side(model, inputs, be)
+    plan = be.plans[0]
+    ops = {n.op for n in plan.nodes}
+    assert "remat.nll_log_softmax_backward.default" in ops
+    assert not ops & {"aten.nll_loss_backward.default", "aten._log_softmax_backward_data.default"}
+    logits = 4 * 32 * 512 * 4
+    # Three logits-sized tensors at the loss without the fusion: the floor is below that.
+    assert simulate(plan).activation_peak_bytes < 3 * logits
+    check_memory(model, compiled, inputs, plan)

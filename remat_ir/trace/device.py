@@ -46,7 +46,7 @@ def rewrite(gm, device: str = "cpu", fuse: bool = True) -> None:
     if "dropout_masks" in proven:
         _fuse_dropout_masks(gm)
     if "cross_entropy_backward" in proven:
-        _fuse_cross_entropy_backward(gm)
+        fuse_cross_entropy_backward(gm)
 
 
 def retarget(program, device: str):
@@ -192,7 +192,7 @@ def _fuse_dropout_masks(gm) -> None:
     g.lint()
 
 
-def _fuse_cross_entropy_backward(gm) -> None:
+def fuse_cross_entropy_backward(gm) -> None:
     """`nll_loss_backward` whose only reader is `_log_softmax_backward_data`
     becomes one `remat.nll_log_softmax_backward` that writes the second result
     over the first (one logits-sized tensor fewer; see remat_ir/ir/ops.py).  CPU
