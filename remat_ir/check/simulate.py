@@ -292,9 +292,8 @@ def value_categories(program: Program) -> dict[str, str]:
     if program.header.held_gradients:
         values = program.value_map()
         for o in program.outputs:
-            s = values[o.value].storage if o.kind == GRAD else None
-            if s is not None and phase.get(s) == BACKWARD:
-                category[s] = GRADIENTS
+            if o.kind == GRAD and phase.get(values[o.value].storage) == BACKWARD:
+                category[values[o.value].storage] = GRADIENTS
     return category
 
 

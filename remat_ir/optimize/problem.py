@@ -284,9 +284,8 @@ class Run:
         """A Run for one block class's solves on a worker thread: the same
         problem, memo and deadline; its own solve records and log lines,
         which `adopt` takes back."""
-        c = Run.__new__(Run)
-        c.problem, c.settings, c.memo, c.a = self.problem, self.settings, self.memo, self.a
-        c.solves, c.deadline, c.time_limited = [], self.deadline, False
+        c = Run(self.problem, self.settings, self.memo)
+        c.deadline = self.deadline
         c.lines = []
         c.log = c.lines.append if self.log else None
         return c

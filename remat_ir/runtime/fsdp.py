@@ -363,7 +363,7 @@ def predict_step_peak(wrapper: FSDPRemat, *args, grads: bool = True, **kwargs) -
     report = simulate(program, grads_present=False)
     tensors = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
     return StepPrediction(state=state_bytes(root, tensors, grads=grads),
-                          peak_above_state=report.peak_bytes - report.baseline_bytes)
+                          peak_above_state=report.step_peak_bytes)
 
 
 def _renamed(a, ren):
