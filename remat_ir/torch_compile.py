@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from remat_ir.ir import RECOMPUTE, TANGENT, Program, node_inputs
 from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
-from remat_ir.trace.device import fuse_cross_entropy_backward
+from remat_ir.trace.device import fuse_cross_entropy_backward, fuse_lm_head_loss
 from remat_ir.trace.joint import joint_program, primals_of
 
 INNERS = ("aot_eager", "inductor")
@@ -107,9 +107,13 @@ class Backend:
 
     def plan(self, joint: fx.GraphModule, primals, num_fwd_outputs: int) -> Program:
         """The verified plan of one region's joint graph (marks the graph's
-        nodes with their program names)."""
+        nodes with their program names).  Where recomputation alone cannot
+        fit the budget, the loss is chunked (`fuse_lm_head_loss`, the same
+        bits) and the rewritten graph planned at the same bytes."""
+        from remat_ir.ir.budgets import is_floor
+        from remat_ir.ir.files import load_cached
         from remat_ir.optimize.search import Infeasible
-        from remat_ir.pipeline import fit
+        from remat_ir.pipeline import budget_bytes, fit
 
         region = len(self.plans)
         name = f"{self.model_name or 'torch.compile'} region {region}"
@@ -120,31 +124,67 @@ class Backend:
             # (Inductor fuses the pair its own way.)
             fuse_cross_entropy_backward(joint)
         program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+        chunked = None
+
+        def chunk_loss() -> bool:
+            nonlocal program, chunked
+            chunked = fuse_lm_head_loss(joint) if self.inner == "aot_eager" else None
+            if chunked is not None:
+                program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+            return chunked is not None
+
         path = self.cache_path(program) if self.cache else None
-        plan = _load_cached(path, program) if path is not None else None
-        if plan is not None:
-            self.cached.append(str(path))
-            return self._keep(plan, region)
-        try:
-            # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
-            plan = fit(program, self.budget, scope=self.scope, exact=True)
-        except Infeasible as e:
-            floor = (f"{e.floor_bytes} bytes ({e.floor_bytes / 2**20:.2f} MiB)" if e.floor_bytes
-                     else "unknown (the search found no plan)")
-            err = BackendError(
-                f"{name}: budget {self.budget!r} is below the floor of this region, {floor}, "
-                f"in scope {self.scope} (a fraction budget is per compiled region): {e}")
-            err.floor_bytes = e.floor_bytes or None
-            raise err from e
+        cached = load_cached(path) if path is not None else None
+        if cached is not None:
+            # The key is the region's own graph; a plan of its chunked loss names the chunked ops.
+            if any(n.op == "remat.lm_head_nll.default" for n in cached.nodes):
+                chunk_loss()
+            plan = _usable_cached(path, cached, program)
+            if plan is not None:
+                self.cached.append(str(path))
+                return self._keep(plan, region)
+        if is_floor(self.budget):
+            chunk_loss()  # the least any plan of this region reaches: with the loss chunked
+            plan = self._fit(program, self.budget, name)
+        else:
+            try:
+                # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
+                plan = fit(program, self.budget, scope=self.scope, exact=True)
+            except Infeasible as e:
+                # A fraction stays a fraction of the region's own peak, not of the chunked graph's.
+                nbytes = budget_bytes(program, self.budget, self.scope, exact=True)
+                if not chunk_loss():
+                    raise self._below_floor(name, e) from e
+                plan = self._fit(program, nbytes, name)
         self.solves += 1
         if plan.header.rewrites:
             raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
                                f"the plan would rewrite the graph ({', '.join(plan.header.rewrites)}), which "
                                "this backend does not run")
+        if chunked is not None:
+            plan.header.comment.append(chunked)
         plan.header.comment.append(f"torch.compile backend, inner compiler {self.inner}")
         if path is not None:
             _store(path, plan)
         return self._keep(plan, region)
+
+    def _fit(self, program: Program, budget, name: str) -> Program:
+        from remat_ir.optimize.search import Infeasible
+        from remat_ir.pipeline import fit
+
+        try:
+            return fit(program, budget, scope=self.scope, exact=True)
+        except Infeasible as e:
+            raise self._below_floor(name, e) from e
+
+    def _below_floor(self, name: str, e) -> BackendError:
+        floor = (f"{e.floor_bytes} bytes ({e.floor_bytes / 2**20:.2f} MiB)" if e.floor_bytes
+                 else "unknown (the search found no plan)")
+        err = BackendError(
+            f"{name}: budget {self.budget!r} is below the floor of this region, {floor}, "
+            f"in scope {self.scope} (a fraction budget is per compiled region): {e}")
+        err.floor_bytes = e.floor_bytes or None
+        return err
 
     def _keep(self, plan: Program, region: int) -> Program:
         self.plans.append(plan)
@@ -178,18 +218,14 @@ class Backend:
         return build_modules(joint, plan, num_fwd_outputs, replay=replay)
 
 
-def _load_cached(path, program: Program) -> Program | None:
-    """The plan at `path` when it is one for `program` (its fingerprint, the
+def _usable_cached(path, plan: Program, program: Program) -> Program | None:
+    """The cached `plan` when it is one for `program` (its fingerprint, the
     graph it schedules) and verifies, else None (saying on stderr why a plan
     found there is not used)."""
     import sys
 
     from remat_ir.check.verify import verify
-    from remat_ir.ir.files import load_cached
 
-    plan = load_cached(path)
-    if plan is None:
-        return None
     if plan.header.fingerprint != program.header.fingerprint:
         print(f"remat-ir: ignoring the cached plan {path}: made for another graph; planning again", file=sys.stderr)
         return None

@@ -426,7 +426,7 @@ def test_cross_entropy_backward_written_in_place_keeps_the_bits():
     fewer at the loss, where a language model's floor often is, and the
     same bits as eager, measured as predicted."""
     model, inputs = gpt(layers=1, dropout=0.0, vocab=512, batch=4, seq=32, width=32)
-    be = remat_ir.backend(budget="floor", inner="aot_eager")
+    be = remat_ir.backend(budget=0.8, inner="aot_eager")
     compiled = train_side_by_side(model, inputs, be)
     plan = be.plans[0]
     ops = {n.op for n in plan.nodes}
@@ -436,3 +436,46 @@ def test_cross_entropy_backward_written_in_place_keeps_the_bits():
     # Three logits-sized tensors at the loss without the fusion: the floor is below that.
     assert simulate(plan).activation_peak_bytes < 3 * logits
     check_memory(model, compiled, inputs, plan)
+
+
+def test_loss_in_row_chunks_below_what_recomputation_reaches(tmp_path):
+    """Below the floor recomputation alone reaches (the log-probabilities
+    and their gradient at the loss), the loss is chunked over rows
+    (`remat.lm_head_nll`): the budget still a fraction of the region's own
+    peak, eager's bits, measured as predicted, the plan a file, and cached."""
+    model, inputs = gpt(layers=2, dropout=0.1, vocab=2048, batch=8, seq=64, width=64)
+    logits = 8 * 64 * 2048 * 4
+    be = remat_ir.backend(budget=0.45, inner="aot_eager", plan_dir=tmp_path)
+    compiled = train_side_by_side(model, inputs, be)
+    plan = be.plans[0]
+    ops = {n.op for n in plan.nodes}
+    assert {"remat.lm_head_nll.default", "remat.lm_head_nll_backward.default"} <= ops
+    assert not ops & {"aten._log_softmax.default", "aten.nll_loss_forward.default",
+                      "remat.nll_log_softmax_backward.default"}
+    assert any("chunks of 32" in c and "LM head's input" in c for c in plan.header.comment)
+    peak = simulate(plan).activation_peak_bytes
+    assert peak <= plan.header.budget.bytes < 2 * logits, "below two logits-sized tensors"
+    check_memory(model, compiled, inputs, plan)
+    check_plan_file(plan)
+    assert format_program(load_plan(be.paths[0])) == format_program(plan)
+    torch._dynamo.reset()
+    again = remat_ir.backend(budget=0.45, inner="aot_eager")
+    step = torch.compile(copy.deepcopy(model), backend=again, dynamic=False)
+    step(*inputs).backward()
+    assert again.cached and again.solves == 0 and format_program(again.plans[0]) == format_program(plan)
+
+
+def test_the_floor_chunks_the_loss_and_a_lower_budget_names_that_floor():
+    model, inputs = gpt(layers=2, dropout=0.0, vocab=2048, batch=8, seq=64, width=64)
+    be = remat_ir.backend(budget="floor", inner="aot_eager")
+    train_side_by_side(model, inputs, be, steps=1)
+    floor = simulate(be.plans[0]).activation_peak_bytes
+    assert "remat.lm_head_nll.default" in {n.op for n in be.plans[0].nodes}
+    torch._dynamo.reset()
+    low = remat_ir.backend(budget=floor - 4096, inner="aot_eager")
+    with pytest.raises(Exception) as info:
+        torch.compile(model, backend=low, dynamic=False)(*inputs).backward()
+    err = info.value
+    while err is not None and not isinstance(err, BackendError):
+        err = err.__cause__ or err.__context__
+    assert isinstance(err, BackendError) and err.floor_bytes == floor, (info.value, floor)

@@ -5,7 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from remat_ir.ir.ops import dropout_keep, dropout_scale, nll_log_softmax_backward
+from remat_ir.ir.ops import (
+    dropout_keep, dropout_scale, lm_head_nll, lm_head_nll_backward, loss_spans, nll_log_softmax_backward,
+)
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -104,3 +106,51 @@ def test_tracer_fuses_on_cpu():
     values = p.value_map()
     keeps = [n.outputs[0] for n in p.nodes if n.op == "remat.dropout_keep.default"]
     assert all(values[k].dtype == "bool" for k in keeps)
+
+
+def _eager_loss(x, weight_t, bias, target, reduction, ignore_index, dtype):
+    """Eager's LM head (when `weight_t`), log-softmax, nll_loss and their
+    backward: (loss, total_weight, gradient of the logits, the loss's grad)."""
+    logits = x if weight_t is None else (torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t))
+    lp = aten._log_softmax(logits, 1, False)
+    loss, total_weight = aten.nll_loss_forward(lp, target, None, reduction, ignore_index)
+    grad_out = torch.tensor(0.37, dtype=dtype)
+    g = aten.nll_loss_backward(grad_out, lp, target, None, reduction, ignore_index, total_weight)
+    return loss, total_weight, aten._log_softmax_backward_data(g, lp, 1, dtype), grad_out
+
+
+@pytest.mark.parametrize("n,d,vocab,rows", [(512, 64, 2048, 32), (100, 48, 1000, 16), (37, 8, 33, 16),
+                                            (7, 16, 50, 16), (64, 64, 128, 16)])
+@pytest.mark.parametrize("start", ["input", "input+bias", "logits"])
+@pytest.mark.parametrize("reduction,ignore_index", [(1, -100), (2, -1), (1, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_loss_is_eagers(n, d, vocab, rows, start, reduction, ignore_index, dtype):
+    """`remat.lm_head_nll` and its backward, row chunks with a remainder,
+    ignored rows, every reduction a language model uses: eager's bits."""
+    g = torch.Generator().manual_seed(n * vocab + rows)
+    w = (torch.randn(vocab, d, generator=g) * 0.1).to(dtype)
+    weight_t = None if start == "logits" else w.t()
+    bias = torch.randn(vocab, generator=g).to(dtype) if start == "input+bias" else None
+    x = torch.randn(n, vocab if weight_t is None else d, generator=g).to(dtype)
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[::5] = ignore_index  # every fifth row ignored
+    loss, total_weight, grad, grad_out = _eager_loss(x, weight_t, bias, target, reduction, ignore_index, dtype)
+    f = lm_head_nll(x, weight_t, bias, target, reduction, ignore_index, rows)
+    b = lm_head_nll_backward(grad_out, x, weight_t, bias, target, reduction, ignore_index, f[1], 1, dtype, rows)
+    assert _same_bits(loss, f[0]) and _same_bits(total_weight, f[1])
+    assert _same_bits(grad, b[0])
+    # What a chunk needs is returned, so a plan counts it: one chunk's rows at most (the last has the remainder).
+    width = max(b - a for a, b in loss_spans(n, rows))
+    assert f[4].shape == b[1].shape == (width, vocab) and width < 2 * rows
+    meta = lm_head_nll(x.to("meta"), None if weight_t is None else weight_t.to("meta"),
+                       None if bias is None else bias.to("meta"), target.to("meta"), reduction, ignore_index, rows)
+    assert [t.shape for t in meta] == [t.shape for t in f]
+
+
+def test_chunked_loss_refuses_targets_out_of_range_as_eager_does():
+    x, target = torch.randn(20, 9), torch.full((20,), 3)
+    target[4] = 9
+    with pytest.raises(IndexError, match="out of bounds"):
+        aten.nll_loss_forward(aten._log_softmax(x, 1, False), target, None, 1, -100)
+    with pytest.raises(IndexError, match="out of bounds"):
+        lm_head_nll(x, None, None, target, 1, -100, 16)

@@ -30,6 +30,23 @@ logits-sized tensors.  ATen's CPU kernel reduces each row of its gradient
 before it writes that row, element by element, so writing in place gives the
 same bits (`tests/test_ops.py` checks it against eager for every dim, dtype and
 reduction); the tracer fuses the pair only in CPU traces.
+
+Below that, the log-probabilities themselves are the floor: eager holds the
+logits and their log-softmax in forward, the log-softmax and its gradient in
+backward.  `remat::lm_head_nll` and `remat::lm_head_nll_backward` run the
+loss over rows, `rows` at a time, through one chunk-sized scratch buffer, so
+no logits-sized tensor lives between forward and backward; backward computes
+each chunk's log-probabilities again, straight into the rows of the gradient
+it returns, and writes the gradient over them.  With `weight_t` they start
+from the LM head's input (`input @ weight_t (+ bias)`, the matmul chunk by
+chunk), without it from the logits.  Every element gets eager's bits:
+log-softmax and its backward reduce within a row; `nll_loss_forward` sums the
+picked log-probabilities (gathered into an [N, 2] tensor, with targets
+remapped to a column) in its own order; a matmul's row does not depend on how
+many rows are computed with it (checked for chunks of 12 rows and more on
+CPU: chunks are at least 16 rows, the last takes the remainder).  What a
+chunk needs beyond its inputs is returned (`picked`, `classes`, `scratch`),
+so a plan counts it.
 """
 from __future__ import annotations
 
@@ -82,16 +99,109 @@ def _nll_log_softmax_backward_meta(grad_output, self, target, weight, reduction,
     return torch.empty_like(self, memory_format=torch.contiguous_format)
 
 
+_lib.define("lm_head_nll(Tensor input, Tensor? weight_t, Tensor? bias, Tensor target, int reduction, "
+            "int ignore_index, int rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_lib.define("lm_head_nll_backward(Tensor grad_output, Tensor input, Tensor? weight_t, Tensor? bias, "
+            "Tensor target, int reduction, int ignore_index, Tensor total_weight, int dim, "
+            "ScalarType input_dtype, int rows) -> (Tensor, Tensor)")
+
+
+def loss_spans(n: int, rows: int) -> list[tuple[int, int]]:
+    """The row ranges of the chunked loss: `rows` each, the last one taking
+    the remainder (so no chunk but a single one has fewer than `rows`)."""
+    starts = list(range(0, n, max(1, rows)))
+    if len(starts) > 1 and n - starts[-1] < rows:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [n]))
+
+
+def _log_probs(input, weight_t, bias, a: int, b: int, out) -> None:
+    """Rows a:b of log_softmax(input (@ weight_t + bias)) written into `out`."""
+    aten = torch.ops.aten
+    if weight_t is None:
+        aten._log_softmax.out(input[a:b], 1, False, out=out)
+        return
+    if bias is None:
+        torch.mm(input[a:b], weight_t, out=out)
+    else:
+        torch.addmm(bias, input[a:b], weight_t, out=out)
+    aten._log_softmax.out(out, 1, False, out=out)  # in place: each row is reduced before it is written
+
+
+def _loss_shapes(input, weight_t):
+    n = input.shape[0]
+    vocab = input.shape[1] if weight_t is None else weight_t.shape[1]
+    return n, vocab
+
+
+def _lm_head_nll(input, weight_t, bias, target, reduction, ignore_index, rows):
+    n, vocab = _loss_shapes(input, weight_t)
+    spans = loss_spans(n, rows)
+    scratch = input.new_empty((max(b - a for a, b in spans), vocab))
+    picked = input.new_empty((n, 2))
+    classes = torch.empty_like(target)
+    column = 1 if ignore_index == 0 else 0  # any column but the ignored class: both hold the pick
+    for a, b in spans:
+        out = scratch[:b - a]
+        _log_probs(input, weight_t, bias, a, b, out)
+        t = target[a:b]
+        ignored = t == ignore_index
+        if bool(((t < 0) | (t >= vocab)).logical_and_(ignored.logical_not()).any()):
+            raise IndexError(f"Target {int(t[(t < 0) | (t >= vocab)][0])} is out of bounds.")
+        torch.gather(out, 1, t.clamp(0, vocab - 1).unsqueeze(1).expand(b - a, 2), out=picked[a:b])
+        classes[a:b].copy_(t).masked_fill_(ignored.logical_not_(), column)  # ignored rows keep theirs
+    loss, total_weight = torch.ops.aten.nll_loss_forward(picked, classes, None, reduction, ignore_index)
+    return loss, total_weight, picked, classes, scratch
+
+
+def _lm_head_nll_meta(input, weight_t, bias, target, reduction, ignore_index, rows):
+    n, vocab = _loss_shapes(input, weight_t)
+    width = max(b - a for a, b in loss_spans(n, rows))
+    loss = input.new_empty(() if reduction else (n,))
+    return (loss, input.new_empty(()), input.new_empty((n, 2)), torch.empty_like(target),
+            input.new_empty((width, vocab)))
+
+
+def _lm_head_nll_backward(grad_output, input, weight_t, bias, target, reduction, ignore_index, total_weight,
+                          dim, input_dtype, rows):
+    aten = torch.ops.aten
+    n, vocab = _loss_shapes(input, weight_t)
+    spans = loss_spans(n, rows)
+    grad = input.new_empty((n, vocab))
+    scratch = input.new_empty((max(b - a for a, b in spans), vocab))
+    for a, b in spans:
+        lp = grad[a:b]
+        _log_probs(input, weight_t, bias, a, b, lp)
+        g = scratch[:b - a]
+        aten.nll_loss_backward.grad_input(grad_output, lp, target[a:b], None, reduction, ignore_index,
+                                          total_weight, grad_input=g)
+        aten._log_softmax_backward_data.out(g, lp, dim, input_dtype, out=lp)  # over the log-probabilities
+    return grad, scratch
+
+
+def _lm_head_nll_backward_meta(grad_output, input, weight_t, bias, target, reduction, ignore_index,
+                               total_weight, dim, input_dtype, rows):
+    n, vocab = _loss_shapes(input, weight_t)
+    width = max(b - a for a, b in loss_spans(n, rows))
+    return input.new_empty((n, vocab)), input.new_empty((width, vocab))
+
+
 _lib.impl("dropout_keep", _dropout_keep, "CompositeExplicitAutograd")
 _lib.impl("dropout_keep", _dropout_keep_meta, "Meta")
 _lib.impl("dropout_scale", _dropout_scale, "CompositeExplicitAutograd")
 _lib.impl("dropout_scale", _dropout_scale_meta, "Meta")
 _lib.impl("nll_log_softmax_backward", _nll_log_softmax_backward, "CompositeExplicitAutograd")
 _lib.impl("nll_log_softmax_backward", _nll_log_softmax_backward_meta, "Meta")
+_lib.impl("lm_head_nll", _lm_head_nll, "CompositeExplicitAutograd")
+_lib.impl("lm_head_nll", _lm_head_nll_meta, "Meta")
+_lib.impl("lm_head_nll_backward", _lm_head_nll_backward, "CompositeExplicitAutograd")
+_lib.impl("lm_head_nll_backward", _lm_head_nll_backward_meta, "Meta")
 
 dropout_keep = torch.ops.remat.dropout_keep.default
 dropout_scale = torch.ops.remat.dropout_scale.default
 nll_log_softmax_backward = torch.ops.remat.nll_log_softmax_backward.default
+lm_head_nll = torch.ops.remat.lm_head_nll.default
+lm_head_nll_backward = torch.ops.remat.lm_head_nll_backward.default
 RANDOM_OPS = frozenset({dropout_keep})
 
 # Ops that update operands in place (in training mode) without an alias
@@ -113,6 +223,8 @@ CPU_ONLY_OPS = frozenset({
     "remat.dropout_keep.default",
     "remat.dropout_scale.default",
     "remat.nll_log_softmax_backward.default",
+    "remat.lm_head_nll.default",
+    "remat.lm_head_nll_backward.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
 })
