@@ -36,7 +36,7 @@ import torch.fx as fx
 from remat_ir.ir import RECOMPUTE, TANGENT, Program, node_inputs
 from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
 from remat_ir.trace.device import fuse_cross_entropy_backward, fuse_lm_head_loss
-from remat_ir.trace.joint import joint_program, primals_of
+from remat_ir.trace.joint import accumulate_in_place, joint_program, primals_of
 
 INNERS = ("aot_eager", "inductor")
 
@@ -123,6 +123,9 @@ class Backend:
             # logits-sized tensor fewer at the loss, often a region's floor.
             # (Inductor fuses the pair its own way.)
             fuse_cross_entropy_backward(joint)
+            # A tensor used twice (a tied LM head) sums its gradients in
+            # place, as eager autograd does: the same bits, one tensor fewer.
+            accumulate_in_place(joint)
         program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
         chunked = None
 

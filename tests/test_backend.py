@@ -479,3 +479,20 @@ def test_the_floor_chunks_the_loss_and_a_lower_budget_names_that_floor():
     while err is not None and not isinstance(err, BackendError):
         err = err.__cause__ or err.__context__
     assert isinstance(err, BackendError) and err.floor_bytes == floor, (info.value, floor)
+
+
+def test_tied_head_gradient_summed_in_place():
+    """The GPT ties its LM head to the embedding: the two parts of that
+    weight's gradient are summed in place into the head's, as eager autograd
+    sums them (`accumulate_in_place`), so the head's partial gradient is
+    counted as the gradient it becomes; eager's bits, the peak as measured."""
+    model, inputs = gpt(layers=1, dropout=0.0, vocab=512, batch=4, seq=32, width=32)
+    be = remat_ir.backend(budget=0.8, inner="aot_eager")
+    compiled = train_side_by_side(model, inputs, be)
+    plan = be.plans[0]
+    values, producer = plan.value_map(), plan.producer_map()
+    grad = next(o.value for o in plan.outputs if o.kind == "grad" and o.key == "transformer.wte.weight")
+    storage = values[grad].storage
+    assert producer[storage].op == "aten.mm.default", producer[storage]  # the head's partial gradient
+    assert any(n.op == "aten.add_.Tensor" and n.mutates for n in plan.nodes)
+    check_memory(model, compiled, inputs, plan)

@@ -255,6 +255,76 @@ def hold_gradients(joint: fx.GraphModule, num_fwd_outputs: int) -> None:
     out_node.args = (type(out_node.args[0])(flat),) + tuple(out_node.args[1:])
 
 
+def accumulate_in_place(joint: fx.GraphModule) -> list[str]:
+    """A backward `add(a, b)` where `a` is a backward intermediate that
+    nothing but that add reads (through views only) becomes `a.add_(b)`: the
+    sum written over the partial sum, as eager autograd accumulates the
+    gradients of a tensor used twice (a tied LM head and embedding, logits
+    both returned and fed to the loss) in place.  The same bits (one
+    addition per element, the same operands); one tensor fewer, and the
+    partial's storage is the sum's from its allocation, which is how the
+    memory model counts it (a gradient's, where the sum is a parameter's
+    gradient).  Returns the names of the rewritten nodes."""
+    aten = torch.ops.aten
+    graph = joint.graph
+    backward: set[fx.Node] = set()  # the nodes that read a tangent, directly or not
+    for n in graph.nodes:
+        if _is_tangent(n) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    done = []
+    for g in list(graph.nodes):
+        if not (g in backward and g.target is aten.add.Tensor and not g.kwargs and len(g.args) == 2
+                and all(isinstance(a, fx.Node) for a in g.args)):
+            continue
+        gv = g.meta.get("val")
+        for k, x in enumerate(g.args):
+            y = g.args[1 - k]
+            xv, yv = x.meta.get("val"), y.meta.get("val")
+            if not (isinstance(xv, torch.Tensor) and isinstance(gv, torch.Tensor) and isinstance(yv, torch.Tensor)
+                    and xv.shape == gv.shape and xv.stride() == gv.stride() and xv.dtype == gv.dtype
+                    and xv.device == gv.device) or _same_storage(xv, yv):
+                continue
+            base = x
+            while base.op == "call_function" and getattr(base.target, "is_view", False):
+                base = base.args[0]
+            if not (base.op == "call_function" and base in backward and not getattr(base.target, "is_view", False)
+                    and isinstance(base.meta.get("val"), torch.Tensor)):
+                continue
+            # Every reader of the base's storage is a view on the way to `x`, or the add itself.
+            readers, ok = [base], True
+            while readers and ok:
+                r = readers.pop()
+                for u in r.users:
+                    if u is g:
+                        continue
+                    if u.op == "call_function" and getattr(u.target, "is_view", False) and u.args[0] is r:
+                        readers.append(u)
+                    else:
+                        ok = False
+            if not ok:
+                continue
+            with graph.inserting_before(g):
+                acc = graph.call_function(aten.add_.Tensor, (x, y))
+            acc.meta = dict(g.meta)
+            acc.meta["val"] = xv  # the same storage: the sum is `x`
+            g.replace_all_uses_with(acc)
+            graph.erase_node(g)
+            backward.add(acc)
+            done.append(acc.name)
+            break
+    if done:
+        graph.lint()
+        joint.recompile()
+    return done
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - a tensor without storage shares none
+        return False
+
+
 def _with_grad(primal: Primal, grad) -> torch.Tensor:
     """The example tensor, its `requires_grad` as the joint graph has it (a gradient or none)."""
     t = primal.example
