@@ -29,9 +29,11 @@ def _llama_config(layers: int = 3):
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
-def llama(seed: int = 0, padded: bool = False):
+def llama(seed: int = 0, padded: bool = False, use_cache: bool | None = None):
     """A decoder-only LM (Llama) with an attention mask: all ones, or with
-    the first row's last 5 positions padded (masked, labels -100)."""
+    the first row's last 5 positions padded (masked, labels -100).  With
+    `use_cache=False` in the call, as training scripts often set it, the
+    model does not return its key/value cache."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -43,7 +45,10 @@ def llama(seed: int = 0, padded: bool = False):
     if padded:
         mask[0, -5:] = 0
         labels[0, -5:] = -100
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if use_cache is not None:
+        kwargs["use_cache"] = use_cache
+    return model, kwargs
 
 
 def llama_lora(seed: int = 0):
@@ -123,6 +128,7 @@ def vit(seed: int = 0):
 FAMILIES: dict[str, Callable] = {
     "llama": llama,
     "llama-padded": lambda seed=0: llama(seed, padded=True),
+    "llama-nocache": lambda seed=0: llama(seed, use_cache=False),
     "llama-lora": llama_lora,
     "mixtral": mixtral,
     "t5": t5,
