@@ -97,8 +97,12 @@ class Backend:
             return aot_module_simplified(gm, example_inputs, fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                          partition_fn=partition, keep_inference_input_mutations=True)
         from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
 
-        return compile_fx(gm, example_inputs,
+        # The loss's ops stay aten kernels, not decomposed: the plan can then
+        # write the loss's backward in place and chunk it, as with aot_eager.
+        decompositions = {k: v for k, v in select_decomp_table().items() if k not in _LOSS_OPS}
+        return compile_fx(gm, example_inputs, decompositions=decompositions,
                           config_patches={"custom_partitioner_fn": _inductor_partitioner(self, primals),
                                           # each compile plans: no graph cache keyed on the partitioner
                                           "fx_graph_cache": False})
@@ -117,23 +121,27 @@ class Backend:
 
         region = len(self.plans)
         name = f"{self.model_name or 'torch.compile'} region {region}"
-        if self.inner == "aot_eager":
-            # Cross-entropy's backward writes its second kernel's result over
-            # the first's, as a traced step does on CPU: the same bits, one
-            # logits-sized tensor fewer at the loss, often a region's floor.
-            # (Inductor fuses the pair its own way.)
-            fuse_cross_entropy_backward(joint)
-            # A tensor used twice (a tied LM head) sums its gradients in
-            # place, as eager autograd does: the same bits, one tensor fewer.
-            accumulate_in_place(joint)
-        program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+        # Cross-entropy's backward writes its second kernel's result over the
+        # first's, as a traced step does on CPU: the same bits, one
+        # logits-sized tensor fewer at the loss, often a region's floor.
+        fuse_cross_entropy_backward(joint)
+        # A tensor used twice (a tied LM head) sums its gradients in
+        # place, as eager autograd does: the same bits, one tensor fewer.
+        accumulate_in_place(joint)
+        def read() -> Program:
+            program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+            if self.inner != "aot_eager":
+                _price_out_draws(program, joint)
+            return program
+
+        program = read()
         chunked = None
 
         def chunk_loss() -> bool:
             nonlocal program, chunked
-            chunked = fuse_lm_head_loss(joint) if self.inner == "aot_eager" else None
+            chunked = fuse_lm_head_loss(joint)
             if chunked is not None:
-                program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+                program = read()
             return chunked is not None
 
         path = self.cache_path(program) if self.cache else None
@@ -219,6 +227,28 @@ class Backend:
     def partition(self, joint: fx.GraphModule, primals, num_fwd_outputs: int, *, replay: bool):
         plan = self.plan(joint, primals, num_fwd_outputs)
         return build_modules(joint, plan, num_fwd_outputs, replay=replay)
+
+
+# FLOPs a plan is told a random draw costs where the backend cannot replay it
+# (inductor): the optimizer keeps such a draw rather than recompute it.
+NO_REPLAY_FLOPS = 1e15
+
+
+def _price_out_draws(program: Program, joint: fx.GraphModule) -> None:
+    """Make recomputing a random op that draws (inductor's `inductor_seeds`)
+    cost NO_REPLAY_FLOPS in `program`: under inductor the backend does not
+    replay a generator, and a draw is a few bytes to keep."""
+    draws = {n.meta["remat_node"] for n in joint.graph.nodes
+             if "remat_node" in n.meta and n.op == "call_function" and not _draws_nothing(n)}
+    for node in program.nodes:
+        if node.random and node.name in draws:
+            node.flops = NO_REPLAY_FLOPS
+
+
+_LOSS_OPS = frozenset({
+    torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax_backward_data.default,
+    torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss_backward.default,
+})
 
 
 def _usable_cached(path, plan: Program, program: Program) -> Program | None:
