@@ -20,8 +20,14 @@ loads it, verified again, instead of planning.  A random op (dropout) the plan r
 replays the RNG state forward drew it with (aot_eager), as the interpreter
 does.  Inductor's dropout is `inductor_random` over seeds drawn once in
 forward, which recomputes to the same numbers; an op that draws from a
-generator is not replayed under inductor (a plan that recomputes one is
-refused with a message).
+generator is not replayed under inductor: its recompute is priced out of
+the plan (a plan that would still recompute one is refused with a message).
+
+The joint graph is rewritten where that keeps eager's bits (CPU): the
+loss's backward and backward's sums are written in place, and below what
+recomputation alone reaches the loss runs in row chunks
+(`remat_ir.trace.device.fuse_lm_head_loss`); on CPU inductor is given the
+loss's ops undecomposed so that the same rewrites apply there.
 """
 from __future__ import annotations
 
@@ -99,9 +105,12 @@ class Backend:
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.decomposition import select_decomp_table
 
-        # The loss's ops stay aten kernels, not decomposed: the plan can then
-        # write the loss's backward in place and chunk it, as with aot_eager.
-        decompositions = {k: v for k, v in select_decomp_table().items() if k not in _LOSS_OPS}
+        # On CPU the loss's ops stay aten kernels, not decomposed: the plan can
+        # then write the loss's backward in place and chunk it, as with
+        # aot_eager (those rewrites are checked on CPU's kernels only).
+        decompositions = select_decomp_table()
+        if all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor)):
+            decompositions = {k: v for k, v in decompositions.items() if k not in _LOSS_OPS}
         return compile_fx(gm, example_inputs, decompositions=decompositions,
                           config_patches={"custom_partitioner_fn": _inductor_partitioner(self, primals),
                                           # each compile plans: no graph cache keyed on the partitioner

@@ -515,3 +515,27 @@ def test_tied_head_gradient_summed_in_place():
     assert producer[storage].op == "aten.mm.default", producer[storage]  # the head's partial gradient
     assert any(n.op == "aten.add_.Tensor" and n.mutates for n in plan.nodes)
     check_memory(model, compiled, inputs, plan)
+
+
+@pytest.mark.slow
+def test_inductor_loss_in_row_chunks_within_tolerance():
+    """Under inductor the loss's ops stay aten kernels, so below what
+    recomputation reaches the loss is chunked there too; the step is stock
+    inductor's within tolerance and keeps what the plan saves."""
+    pytest.importorskip("torch._inductor")
+    model, inputs = gpt(layers=2, dropout=0.0, vocab=2048, batch=8, seq=64, width=64)
+    stock_model = copy.deepcopy(model)
+    be = remat_ir.backend(budget=0.45, inner="inductor")
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    stock = torch.compile(stock_model, backend="inductor", dynamic=False)
+    losses = []
+    for run in (compiled, stock):
+        loss = run(*inputs)
+        loss.backward()
+        losses.append(loss.detach())
+    ops = {n.op for n in be.plans[0].nodes}
+    assert {"remat.lm_head_nll.default", "remat.lm_head_nll_backward.default"} <= ops
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), stock_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=f"gradient of {name}")
+    check_plan_file(be.plans[0])
