@@ -301,7 +301,8 @@ def fuse_lm_head_loss(gm) -> str | None:
         def node(at, fn, args, meta_from, fl):
             with g.inserting_before(at):
                 new = g.call_function(fn, args)
-            new.meta = dict(meta_from.meta)
+            # (not the program names an earlier reading of the graph marked it with)
+            new.meta = {k: v for k, v in meta_from.meta.items() if not k.startswith("remat_")}
             fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
             with getattr(val, "fake_mode", None) or contextlib.nullcontext():
                 new.meta["val"] = fn(*fake)
