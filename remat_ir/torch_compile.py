@@ -137,6 +137,7 @@ class Backend:
         # A tensor used twice (a tied LM head) sums its gradients in
         # place, as eager autograd does: the same bits, one tensor fewer.
         accumulate_in_place(joint)
+
         def read() -> Program:
             program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
             if self.inner != "aot_eager":

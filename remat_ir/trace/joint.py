@@ -282,7 +282,7 @@ def accumulate_in_place(joint: fx.GraphModule) -> list[str]:
             xv, yv = x.meta.get("val"), y.meta.get("val")
             if not (isinstance(xv, torch.Tensor) and isinstance(gv, torch.Tensor) and isinstance(yv, torch.Tensor)
                     and xv.shape == gv.shape and xv.stride() == gv.stride() and xv.dtype == gv.dtype
-                    and xv.device == gv.device) or _same_storage(xv, yv):
+                    and xv.device == gv.device and _covers_storage(xv)) or _same_storage(xv, yv):
                 continue
             base = x
             while base.op == "call_function" and getattr(base.target, "is_view", False):
@@ -316,6 +316,15 @@ def accumulate_in_place(joint: fx.GraphModule) -> list[str]:
         graph.lint()
         joint.recompile()
     return done
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    """Whether `t` spans its whole storage (a sum written over a part of a
+    larger tensor would keep all of it alive)."""
+    try:
+        return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    except Exception:  # noqa: BLE001 - no storage to speak of
+        return False
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
