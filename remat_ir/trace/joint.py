@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from remat_ir.ir import Program
 from remat_ir.ir.fingerprint import fingerprint
-from remat_ir.trace.tracer import TraceError, _to_program
+from remat_ir.trace.tracer import TraceError, _storage_key, _to_program
 
 PARAM = "param"
 BUFFER = "buffer"
@@ -282,7 +282,7 @@ def accumulate_in_place(joint: fx.GraphModule) -> list[str]:
             xv, yv = x.meta.get("val"), y.meta.get("val")
             if not (isinstance(xv, torch.Tensor) and isinstance(gv, torch.Tensor) and isinstance(yv, torch.Tensor)
                     and xv.shape == gv.shape and xv.stride() == gv.stride() and xv.dtype == gv.dtype
-                    and xv.device == gv.device and _covers_storage(xv)) or _same_storage(xv, yv):
+                    and xv.device == gv.device and _covers_storage(xv)) or _storage_key(x) == _storage_key(y):
                 continue
             base = x
             while base.op == "call_function" and getattr(base.target, "is_view", False):
@@ -324,13 +324,6 @@ def _covers_storage(t: torch.Tensor) -> bool:
     try:
         return t.untyped_storage().nbytes() == t.numel() * t.element_size()
     except Exception:  # noqa: BLE001 - no storage to speak of
-        return False
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-    except Exception:  # noqa: BLE001 - a tensor without storage shares none
         return False
 
 
