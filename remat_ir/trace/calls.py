@@ -39,6 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat_ir.ir.ops import autocast_off  # noqa: F401 - (re-exported: the tracer and the runtime use it from here)
+from remat_ir.trace.symbolic import dense
 
 __all__ = ["Call", "CallError", "autocast_off", "autocast_state", "constant_text", "constants_map",
            "describe_autocast", "parse_autocast", "read_constant", "rebuildable", "split_call"]
@@ -103,7 +104,7 @@ class Call:
         parts = [str(self._spec)]
         for name, t in zip(self.names, self.tensors):
             parts.append(f"{name}:{str(t.dtype).removeprefix('torch.')}[{t.dim()}]"
-                         f"{'' if _dense(t) else '/strided'}"
+                         f"{'' if dense(t) else '/strided'}"
                          f"@{t.device.type}{'+grad' if t.requires_grad else ''}")
         tensor_at = set(self._tensor_at)
         consts = [repr(x) for i, x in enumerate(self._leaves) if i not in tensor_at]
@@ -120,7 +121,7 @@ def dynamic_dims(call: Call, also=()) -> dict[str, dict[int, str]]:
     given a maximum).  Sizes under 2 stay numbers (a batch of one is another
     plan), as does every dimension of a call with an input that is not dense."""
     tensors = dict(zip(call.names, call.tensors))
-    if not all(_dense(t) for t in call.tensors):
+    if not all(dense(t) for t in call.tensors):
         return {}  # a symbolic plan states each input's bytes from its sizes
     first = next((t for t in call.tensors if t.dim() >= 1), None)
     size_symbol: dict[int, str] = {}
@@ -143,11 +144,6 @@ def dynamic_dims(call: Call, also=()) -> dict[str, dict[int, str]]:
                 continue  # a batch size elsewhere, or a sequence length first, is a coincidence
             dims.setdefault(n, {})[d] = symbol
     return dims
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return (t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def split_call(module: torch.nn.Module, args=(), kwargs: dict | None = None) -> Call:
