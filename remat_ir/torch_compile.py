@@ -111,6 +111,7 @@ class Backend:
         decompositions = select_decomp_table()
         if all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor)):
             decompositions = {k: v for k, v in decompositions.items() if k not in _LOSS_OPS}
+            _loss_ops_fall_back()
         return compile_fx(gm, example_inputs, decompositions=decompositions,
                           config_patches={"custom_partitioner_fn": _inductor_partitioner(self, primals),
                                           # each compile plans: no graph cache keyed on the partitioner
@@ -259,6 +260,21 @@ _LOSS_OPS = frozenset({
     torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax_backward_data.default,
     torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss_backward.default,
 })
+
+
+def _loss_ops_fall_back() -> None:
+    """Registers inductor's fallback to the aten kernel for the loss's ops
+    left undecomposed.  Inductor makes this same fallback by itself for an op
+    it has no lowering for, except where the environment sets CI: there it
+    refuses ops that have a decomposition (a guard for its own development),
+    and a training job run under CI would fail.  Contiguous inputs, as
+    inductor requires of its implicit aten fallbacks in backward."""
+    from torch._inductor import lowering
+
+    for op in sorted(_LOSS_OPS, key=str):
+        if op not in lowering.lowerings:
+            lowering.make_fallback(op, layout_constraint=lowering.require_contiguous, warn=False,
+                                   override_decomp=True)
 
 
 def _usable_cached(path, plan: Program, program: Program) -> Program | None:
