@@ -196,3 +196,38 @@ def test_wrap_refuses_a_bad_budget_before_planning(monkeypatch):
     # Positive budgets and "floor" are taken (planned at the first step).
     for budget in (1, 0.6, "0.6", "60%", "1.5GiB", "floor", " Floor "):
         remat_ir.wrap(model, budget=budget)
+
+
+class _ReturnsHidden(torch.nn.Module):
+    """A step that returns its hidden state beside the loss, as a transformers
+    model returns its logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        return h.pow(2).mean(), h
+
+
+def test_a_fraction_keeps_what_the_caller_holds_whole(traced):
+    """A fraction is of what a plan can cut: the results the caller holds
+    (here the hidden state) and the zero gradients autograd gives them are
+    kept whole, the fraction applies to the rest.  A step that returns only
+    its loss is cut from its whole peak."""
+    from remat_ir.check.simulate import caller_held_bytes
+    from remat_ir.optimize.search import unoptimized_peak
+
+    torch.manual_seed(0)
+    program = trace_module(_ReturnsHidden(), (torch.randn(8, 16),), as_called=True)
+    hidden = 8 * 64 * 4
+    assert caller_held_bytes(program) == 2 * hidden  # the result and its tangent
+    peak = unoptimized_peak(program, SCOPE)
+    for f in (0.3, 0.5, 0.7):
+        assert resolve_budget(program, f, SCOPE) == round(2 * hidden + f * (peak - 2 * hidden))
+    assert resolve_budget(program, "1000", SCOPE) == 1000  # bytes are bytes
+
+    loss_only = traced("mlp")
+    assert caller_held_bytes(loss_only) == 0
+    assert resolve_budget(loss_only, 0.5, SCOPE) == round(0.5 * unoptimized_peak(loss_only, SCOPE))

@@ -266,6 +266,20 @@ def _hand_over(out, keys, values, grads_present, live, refs, storage_cat, cat_by
     drop(out)
 
 
+def caller_held_bytes(program: Program) -> int:
+    """Bytes the step holds for its caller whatever the schedule: the storages
+    of the forward results (logits, a key/value cache) and the tangents
+    autograd gives them in backward.  All are live when backward starts, so
+    this is at most the activation peak.  Scalars (the loss and its seed
+    gradient, a few bytes) are left out: a step that returns only its loss
+    holds nothing here."""
+    values = program.value_map()
+    produced = {o for n in program.nodes for o in n.outputs if o}
+    storages = {values[o.value].storage for o in program.outputs if o.kind == RESULT}
+    held = sum(values[s].nbytes for s in storages if s in produced and values[s].shape)
+    return held + sum(v.nbytes for v in program.values if v.kind == TANGENT and v.shape)
+
+
 def obeys_layout_contract(grad, param) -> bool:
     """torch/csrc/autograd/utils/grad_layout_contract.h, for dense parameters:
     strides must agree on every dimension longer than 1, and none may be 0."""

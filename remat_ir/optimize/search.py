@@ -31,7 +31,7 @@ import time
 
 import msgspec
 
-from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
+from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, caller_held_bytes, simulate
 from remat_ir.ir import Budget, Program
 from remat_ir.ir.budgets import budget_int, parse_budget
 from remat_ir.ir.printer import human_bytes
@@ -60,12 +60,17 @@ def unoptimized_peak(program: Program, scope: str = DEFAULT_SCOPE) -> int:
 
 def resolve_budget(program: Program, text: str | int | float, scope: str = DEFAULT_SCOPE) -> int:
     """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
-    a fraction of the unoptimized peak in the scope: "0.5", "50%".  Raises
-    ValueError when it cannot be read, or is not a positive, finite number of
-    bytes that fits a 64-bit integer: `remat_ir.ir.budgets.parse_budget`."""
+    a fraction: "0.5", "50%".  A fraction f is of what a plan can cut: the
+    bytes the caller holds whatever the schedule (`caller_held_bytes`: the
+    results, logits or a cache, and their tangents) plus f of the rest of the
+    unoptimized peak in the scope.  Raises ValueError when it cannot be read,
+    or is not a positive, finite number of bytes that fits a 64-bit integer:
+    `remat_ir.ir.budgets.parse_budget`."""
     kind, amount = parse_budget(text)
     if kind == "fraction":
-        return budget_int(amount * unoptimized_peak(program, scope), text)
+        peak = unoptimized_peak(program, scope)
+        held = min(caller_held_bytes(program), peak)
+        return budget_int(held + amount * (peak - held), text)
     return int(amount)
 
 
