@@ -20,7 +20,8 @@ The stages, also callable one by one (one trace, several budgets):
     compile(model, args, kwargs) fit(trace(...), budget)
 
 A budget is bytes (int), a size ("1.5GiB", "800MB"), a fraction of the
-unoptimized peak in `scope` (0.5, "0.5", "50%"), or "floor" (the smallest peak
+unoptimized peak in `scope` (0.5, "0.5", "50%"; what the caller holds under
+every plan, returned logits or a cache, kept whole: `resolve_budget`), or "floor" (the smallest peak
 the optimizer reaches); zero, negative, NaN and infinite budgets, and a
 `time_limit` that is no positive, finite number of seconds, are refused
 before any work (`check_budget`, `check_time_limit`).  `scope` is "activations" by default (`DEFAULT_SCOPE`,

@@ -13,7 +13,7 @@ inner compiler ("aot_eager" or "inductor") compiles the two graphs.
 
 Each compiled region gets its own plan (`Backend.plans`, and `.rir` files in
 `plan_dir`); a fraction budget is a fraction of that region's unoptimized
-activation peak.  Plans are cached as `wrap` caches them (in
+activation peak, what its caller holds kept whole (`resolve_budget`).  Plans are cached as `wrap` caches them (in
 `remat_ir.adopt.cache_dir()`, written atomically): a region whose joint
 graph (its program's fingerprint), options and versions match a cached plan
 loads it, verified again, instead of planning.  A random op (dropout) the plan recomputes in backward

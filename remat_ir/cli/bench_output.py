@@ -62,7 +62,7 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
                     "minimizes recomputed op time)" if ctx.profile_s is not None else "")
         notes.append(f"remat-ir traced the step once in {ctx.trace_s:.1f} s{profiled} (shared by its rows); "
                      "\"predicted act.\" is the simulator's activation peak for the plan; budgets are "
-                     "fractions of the unoptimized plan's activation peak; solve = wall time of resolving the "
+                     "fractions of the unoptimized plan's activation peak (results the caller holds kept whole); solve = wall time of resolving the "
                      "budget and optimizing (the optimizer reuses its analysis across the rows, so the first "
                      "remat-ir row pays for it).")
     if any(r.family == "backend" for r in rows):
