@@ -103,11 +103,14 @@ def test_the_plan_of_a_chunked_loss_fits_where_recomputation_alone_cannot():
 
 
 def test_a_budget_below_every_rung_is_refused_with_the_lowest_floor():
+    from remat_ir.optimize.ladder import LadderMemo
+
     module, inputs = _wide_head()
     program = remat_ir.compile(module, inputs)
-    low = verify(fit(program, "floor", scope=SCOPE)).report.activation_peak_bytes
+    memo = LadderMemo()  # the floor's ladder serves the refusal's
+    low = verify(fit(program, "floor", scope=SCOPE, memo=memo)).report.activation_peak_bytes
     with pytest.raises(Infeasible) as e:
-        fit(program, low - 1, scope=SCOPE)
+        fit(program, low - 1, scope=SCOPE, memo=memo)
     assert e.value.floor_bytes == low and "with rewrites" in str(e.value)
 
 
