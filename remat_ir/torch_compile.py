@@ -127,7 +127,7 @@ class Backend:
         from remat_ir.ir.budgets import is_floor
         from remat_ir.ir.files import load_cached
         from remat_ir.optimize.search import Infeasible
-        from remat_ir.pipeline import budget_bytes, fit
+        from remat_ir.pipeline import fit
 
         region = len(self.plans)
         name = f"{self.model_name or 'torch.compile'} region {region}"
@@ -173,11 +173,11 @@ class Backend:
                 # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
                 plan = fit(program, self.budget, scope=self.scope, exact=True)
             except Infeasible as e:
-                # A fraction stays a fraction of the region's own peak, not of the chunked graph's.
-                nbytes = budget_bytes(program, self.budget, self.scope, exact=True)
                 if not chunk_loss():
                     raise self._below_floor(name, e) from e
-                plan = self._fit(program, nbytes, name)
+                # The bytes the budget resolved to on the region's own graph: a
+                # fraction stays a fraction of its peak, not of the chunked graph's.
+                plan = self._fit(program, e.budget_bytes, name)
         self.solves += 1
         if plan.header.rewrites:
             raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
