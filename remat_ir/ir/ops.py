@@ -128,16 +128,17 @@ def _log_probs(input, weight_t, bias, a: int, b: int, out) -> None:
     aten._log_softmax.out(out, 1, False, out=out)  # in place: each row is reduced before it is written
 
 
-def _loss_shapes(input, weight_t):
+def _loss_layout(input, weight_t, rows):
+    """(rows N, vocabulary, the chunks' row spans, the scratch's shape)."""
     n = input.shape[0]
     vocab = input.shape[1] if weight_t is None else weight_t.shape[1]
-    return n, vocab
+    spans = loss_spans(n, rows)
+    return n, vocab, spans, (max(b - a for a, b in spans), vocab)
 
 
 def _lm_head_nll(input, weight_t, bias, target, reduction, ignore_index, rows):
-    n, vocab = _loss_shapes(input, weight_t)
-    spans = loss_spans(n, rows)
-    scratch = input.new_empty((max(b - a for a, b in spans), vocab))
+    n, vocab, spans, scratch_shape = _loss_layout(input, weight_t, rows)
+    scratch = input.new_empty(scratch_shape)
     picked = input.new_empty((n, 2))
     classes = torch.empty_like(target)
     column = 1 if ignore_index == 0 else 0  # any column but the ignored class: both hold the pick
@@ -155,20 +156,18 @@ def _lm_head_nll(input, weight_t, bias, target, reduction, ignore_index, rows):
 
 
 def _lm_head_nll_meta(input, weight_t, bias, target, reduction, ignore_index, rows):
-    n, vocab = _loss_shapes(input, weight_t)
-    width = max(b - a for a, b in loss_spans(n, rows))
+    n, _, _, scratch_shape = _loss_layout(input, weight_t, rows)
     loss = input.new_empty(() if reduction else (n,))
     return (loss, input.new_empty(()), input.new_empty((n, 2)), torch.empty_like(target),
-            input.new_empty((width, vocab)))
+            input.new_empty(scratch_shape))
 
 
 def _lm_head_nll_backward(grad_output, input, weight_t, bias, target, reduction, ignore_index, total_weight,
                           dim, input_dtype, rows):
     aten = torch.ops.aten
-    n, vocab = _loss_shapes(input, weight_t)
-    spans = loss_spans(n, rows)
+    n, vocab, spans, scratch_shape = _loss_layout(input, weight_t, rows)
     grad = input.new_empty((n, vocab))
-    scratch = input.new_empty((max(b - a for a, b in spans), vocab))
+    scratch = input.new_empty(scratch_shape)
     for a, b in spans:
         lp = grad[a:b]
         _log_probs(input, weight_t, bias, a, b, lp)
@@ -181,9 +180,8 @@ def _lm_head_nll_backward(grad_output, input, weight_t, bias, target, reduction,
 
 def _lm_head_nll_backward_meta(grad_output, input, weight_t, bias, target, reduction, ignore_index,
                                total_weight, dim, input_dtype, rows):
-    n, vocab = _loss_shapes(input, weight_t)
-    width = max(b - a for a, b in loss_spans(n, rows))
-    return input.new_empty((n, vocab)), input.new_empty((width, vocab))
+    n, vocab, _, scratch_shape = _loss_layout(input, weight_t, rows)
+    return input.new_empty((n, vocab)), input.new_empty(scratch_shape)
 
 
 _lib.impl("dropout_keep", _dropout_keep, "CompositeExplicitAutograd")
