@@ -50,7 +50,7 @@ import torch
 
 from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT, is_floor
 from remat_ir.ir.types import DEFAULT_SCOPE
-from remat_ir.runtime.bind import ModelGuard
+from remat_ir.runtime.bind import LiveGuard, ModelGuard
 from remat_ir.runtime.interpret import PlanRunner, WrappedModule
 
 __all__ = ["AutoRemat", "cache_dir", "wrap"]
@@ -166,17 +166,19 @@ class AutoRemat(WrappedModule):
         self._traced: dict[int, object] = {}
         self._seen: dict[str, list[list[int]]] = {}  # shape class -> the largest size of each input dimension
         self.solves = 0  # optimizer runs so far (a plan from the cache is not one)
+        self._reads: list = []  # what the traces of the plans in memory read of the model's Python state
 
     def step(self, call):
-        guard = self.__dict__.get("_model_guard")
+        guard, live = self.__dict__.get("_model_guard"), self.__dict__.get("_live_guard")
         if self.plans and guard is not None:
-            changed = guard.changes(self.module)
+            changed = guard.changes(self.module) or (live.changes(self.module) if live is not None else [])
             if changed:
                 # The plans were made from the model as it was: plan it as it is now.
                 more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
                 print(f"remat-ir: {'; '.join(changed[:3])}{more} since the plans for "
                       f"{type(self.module).__name__} were made: planning it again", file=sys.stderr)
                 self.plans.clear()
+                self._reads = []
         # Calls of one structure (a symbolic plan: of one shape class) share a
         # plan unless the model's code decides on their values (an all-ones mask
         # or not): then each decision has its own, keyed by its guards.
@@ -192,6 +194,7 @@ class AutoRemat(WrappedModule):
                 runner = self._grown(call, shape_class) or self._plan(call)
             if not self.plans or guard is None:
                 self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
+            self._live_guard = LiveGuard(self._reads, self.module)  # and what their traces read
             # A symbolic plan's inputs' shapes tell it from another of the same class
             # (a batch of one: symbolic in its sequence only).
             shapes = tuple(tuple(map(str, v.shape)) for v in runner.exe.inputs) if runner.symbolic else ()
@@ -348,7 +351,7 @@ class AutoRemat(WrappedModule):
 
         from remat_ir import pipeline
         from remat_ir.ir.fingerprint import fingerprint
-        from remat_ir.trace.tracer import TraceError
+        from remat_ir.trace.tracer import NotReplayableError, TraceError
 
         if _uses_fsdp(self.module):
             # Sharded after wrapping: the plan would read DTensor shards where it needs gathered parameters.
@@ -362,7 +365,7 @@ class AutoRemat(WrappedModule):
                        f"{budget}{', autocast ' + call.autocast if call.autocast else ''}") as progress:
             args, kwargs = call.rebuild(call.tensors)
             trace = dict(loss=self.loss_fn, optimizer=o["optimizer"], cost=o["cost"], autocast=call.autocast,
-                         as_called=True)
+                         as_called=True, live=self.__dict__.setdefault("_reads", []))
             program = None
             dims = self._dynamic_dims(call) if self.dynamic else {}
             if dims:
@@ -371,6 +374,8 @@ class AutoRemat(WrappedModule):
                     program.header.sizes = self._ranges(program, call)
                     program.header.fingerprint = fingerprint(program)
                     self._within_guards(program, call)
+                except NotReplayableError:
+                    raise
                 except TraceError as e:
                     print(f"remat-ir: {e}; planning this call's sizes alone", file=sys.stderr)
                     program = None

@@ -134,7 +134,7 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
           name: str | None = None, optimizer: str = "none", fake: bool = False, cost: str = COST_FLOPS,
           profile_repeats: int = 5, stats: CompileStats | None = None, device: str | None = None,
           autocast: str | None = None, as_called: bool = False,
-          dynamic: dict[str, dict[int, str]] | None = None) -> Program:
+          dynamic: dict[str, dict[int, str]] | None = None, live: list | None = None) -> Program:
     """One training step of `model(*args, **kwargs)`, traced into an unoptimized
     Program whose header is complete (device, optimizer state, comment).
     `name` is the header's model name (default: the module's class name).
@@ -151,7 +151,8 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
     makes the plan a call in that block runs.  The plan runs only under the
     same autocast (its header's `autocast` line).  `dynamic`: the input
     dimensions that vary between calls, for a symbolic program (see
-    `remat_ir.trace.tracer.trace_module`)."""
+    `remat_ir.trace.tracer.trace_module`, as for `live`: what the trace read
+    of the model's Python state is appended to it)."""
     import torch
 
     from remat_ir.check.simulate import optimizer_state_bytes
@@ -179,7 +180,8 @@ def trace(model, args=(), kwargs: dict | None = None, *, loss: Callable | None =
 
     with _Clock(stats, "trace"):
         program = trace_module(model, args, kwargs=kwargs, loss_fn=loss, model_name=name, fake=fake,
-                               device=device, autocast=autocast, as_called=as_called, dynamic=dynamic)
+                               device=device, autocast=autocast, as_called=as_called, dynamic=dynamic,
+                               live=live)
         program.header.optim = optimizer
         program.header.optim_state_bytes = optimizer_state_bytes(program, optimizer)
         program.header.fingerprint = fingerprint(program)  # the optimizer state is part of it

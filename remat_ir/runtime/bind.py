@@ -132,10 +132,11 @@ def constants_differ(constants: list[str], call) -> str:
     return ""
 
 
-def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
+def check_graph(model: torch.nn.Module, program: Program, loss_fn=None, live: list | None = None) -> None:
     """Refuse a plan whose graph section this model no longer produces: the
     step is traced again under fake tensors, with inputs of the plan's
-    shapes, dtypes and strides, and compared with the plan node by node."""
+    shapes, dtypes and strides, and compared with the plan node by node.
+    What that trace read of the model's Python state is appended to `live`."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from remat_ir.trace.calls import CallError, call_from_names, constants_map, read_constant, rebuildable
@@ -175,7 +176,7 @@ def check_graph(model: torch.nn.Module, program: Program, loss_fn=None) -> None:
     try:
         fresh = trace_module(model, args, kwargs=kwargs, loss_fn=loss_fn, autocast=program.header.autocast,
                              model_name=program.header.model, dynamic=dynamic,
-                             fake=True, neutral=is_neutral(program), guards=program.header.guards)
+                             fake=True, neutral=is_neutral(program), guards=program.header.guards, live=live)
     except TraceError as e:
         raise PlanMismatch(f"this model no longer traces to the plan's graph ({e}); {_RECOMPILE}") from e
     if program.header.rewrites:
@@ -442,3 +443,114 @@ def _train_mode(model: torch.nn.Module):
     finally:
         for m, training in modes:
             m.training = training
+
+
+# ------------------------------------------------------- live Python guard
+
+
+_ABSENT = object()
+
+
+class LiveGuard:
+    """What the traces of a model's plans read of its live Python state
+    (`remat_ir.trace.live`: submodules' attributes such as `Dropout.p` or
+    peft's `scaling`, the config objects they read) and every hook dict of
+    the model and the global ones.  `changes(model)`, at each training step,
+    lists what differs since, in words ([] when nothing does): equal values
+    for scalars and small containers, the same object for anything else, the
+    same hooks (a hook added or removed is a change; a plan traced the ones
+    there were).
+
+    The check is one list comparison of the values and one of the hook
+    dicts' keys (its cost: docs/05-wrap.md).  Entries are kept by module
+    path, so a pickled or deep-copied guard binds to the model it meets."""
+
+    def __init__(self, reads: list, model: torch.nn.Module | None = None):
+        entries: dict = {}
+        for r in reads:
+            for k, v in r.attributes.items():
+                entries.setdefault(k, v)
+        self.entries = list(entries.items())  # ((path, via, name), value)
+        self._bound = None
+        if model is not None:
+            self._bind(model)
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        from remat_ir.trace.live import guardable, hook_dicts
+
+        eq, same = [], []  # (owner's __dict__, name) compared by equality / by identity
+        for i, ((path, via, name), value) in enumerate(self.entries):
+            try:
+                owner = model.get_submodule(path)
+            except AttributeError:
+                owner = None
+            if via:
+                owner = owner.__dict__.get(via) if owner is not None else None
+            d = getattr(owner, "__dict__", {})
+            if isinstance(value, _Rebind):  # (unpickled: the objects are the model's as it is now)
+                value = d.get(name, _ABSENT)
+                self.entries[i] = ((path, via, name), value)
+            (eq if guardable(value) else same).append((d, name))
+        self._eq_values = [v for _, v in self.entries if guardable(v)]
+        self._same_ids = [id(v) for _, v in self.entries if not guardable(v)]
+        self._hooks = hook_dicts(model)
+        self._hook_keys = [tuple(d) for _, _, d in self._hooks]
+        self._bound = (eq, same)
+
+    def changes(self, model: torch.nn.Module) -> list[str]:
+        """What changed in `model`'s live state since the guard was taken."""
+        if self._bound is None:
+            self._bind(model)
+        eq, same = self._bound
+        if [d.get(n, _ABSENT) for d, n in eq] == self._eq_values \
+                and [id(d.get(n, _ABSENT)) for d, n in same] == self._same_ids \
+                and [tuple(d) for _, _, d in self._hooks] == self._hook_keys:
+            return []
+        return self._describe()
+
+    def _describe(self) -> list[str]:
+        from remat_ir.trace.live import guardable
+
+        eq, same = self._bound
+        pairs, k_eq, k_same = [], 0, 0
+        for _, value in self.entries:
+            if guardable(value):
+                pairs.append(eq[k_eq])
+                k_eq += 1
+            else:
+                pairs.append(same[k_same])
+                k_same += 1
+        now = [d.get(n, _ABSENT) for d, n in pairs]
+        out = []
+        for i, ((path, via, name), value) in enumerate(self.entries):
+            by_value = guardable(value)
+            if (now[i] == value) if by_value else (now[i] is value):
+                continue
+            owner = f"submodule {path}" if path else "the model"
+            attr = f"{via}.{name}" if via else name
+            got = "was deleted" if now[i] is _ABSENT else (
+                f"changed from {_brief(value)} to {_brief(now[i])}" if by_value else "was replaced")
+            out.append(f"attribute {attr} of {owner} {got}")
+        for (path, what, d), keys in zip(self._hooks, self._hook_keys):
+            if tuple(d) != keys:
+                kind = what.removesuffix("s").replace("_", " ")
+                where = "a global " + kind if path is None else (
+                    f"a {kind} of " + (f"submodule {path}" if path else "the model"))
+                added, removed = len(set(d) - set(keys)), len(set(keys) - set(d))
+                out.append(f"{where} was " + ("added" if added and not removed else
+                                              "removed" if removed and not added else "replaced"))
+        return out or ["the model's live state changed"]
+
+    def __getstate__(self):
+        from remat_ir.trace.live import guardable
+
+        return {"entries": [(k, v if guardable(v) else _Rebind()) for k, v in self.entries], "_bound": None}
+
+
+class _Rebind:
+    """In a pickled LiveGuard: an object compared by identity, taken afresh from the model."""
+
+
+def _brief(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."

@@ -27,7 +27,7 @@ from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
-    ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
+    LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
 )
 from remat_ir.trace.calls import autocast_off, split_call
 
@@ -349,8 +349,9 @@ class PlanRunner:
         if check_plan:
             check_sound(program)
         check_device(program)
+        self.live_reads: list = []  # what the model's check read of its Python state
         if check_model:
-            check_graph(model, program, loss_fn)
+            check_graph(model, program, loss_fn, self.live_reads)
         self.program = program
         self.loss_fn = loss_fn
         self._build()
@@ -374,7 +375,7 @@ class PlanRunner:
     # The compiled code is generated Python, which pickle cannot hold: a
     # pickled runner keeps the plan and compiles it again when loaded.
     def __getstate__(self):
-        return {"program": self.program, "loss_fn": self.loss_fn}
+        return {"program": self.program, "loss_fn": self.loss_fn, "live_reads": []}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -606,11 +607,14 @@ class RematModule(WrappedModule):
         self.runner = runner
         self.program = program
         self._model_guard = ModelGuard(model)
+        self._live_guard = LiveGuard(runner.live_reads, model)
 
     def step(self, call):
         if "_model_guard" not in self.__dict__:  # (pickled before there were guards)
             self._model_guard = ModelGuard(self.module)
-        changed = self._model_guard.changes(self.module)
+        if "_live_guard" not in self.__dict__:
+            self._live_guard = LiveGuard([], self.module)
+        changed = self._model_guard.changes(self.module) or self._live_guard.changes(self.module)
         if changed:
             more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
             raise PlanMismatch(f"{'; '.join(changed[:3])}{more} since the plan was bound; wrap the model "

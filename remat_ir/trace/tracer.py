@@ -39,6 +39,10 @@ class TraceError(ValueError):
     """The model cannot be traced into a program; the message says why and what to do."""
 
 
+class NotReplayableError(TraceError):
+    """The step does what a plan cannot replay (`remat_ir.trace.live`): at any sizes, in any trace."""
+
+
 # Ops whose result depends on data the shapes don't tell: the program has
 # static shapes and cannot replay them.
 _UNSUPPORTED = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
@@ -48,7 +52,8 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
                  loss_fn: Callable | None = None, model_name: str = "", fake: bool = False,
                  device: str | None = None, fuse: bool = True, neutral: bool | None = None,
                  guards: list[str] | None = None, autocast: str | None = None,
-                 as_called: bool = False, dynamic: dict[str, dict[int, str]] | None = None) -> Program:
+                 as_called: bool = False, dynamic: dict[str, dict[int, str]] | None = None,
+                 live: list | None = None) -> Program:
     """Trace one training step of `module(*example_inputs, **kwargs)`.
 
     The call's tensors are the plan's inputs, named after the forward's
@@ -90,9 +95,16 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     sizes as symbols (make_fx's symbolic tracing), so the program holds for
     every size its `size_guards` allow; its range runs from the smallest
     size the trace assumes to the call's.
+
+    The Python state the step reads (module attributes, hooks) is watched
+    (`remat_ir.trace.live`): what it read is appended to `live` when given,
+    and a step that does what a plan cannot replay (writes a module's
+    attribute, draws from Python's `random`, a hook that keeps or prints
+    what it sees) is refused, with the model left as it was.
     """
     from remat_ir.trace.calls import CallError, autocast_off, split_call
     from remat_ir.trace.checkpoint import inline_checkpoints
+    from remat_ir.trace.live import NotReplayable, watching
 
     try:
         call = split_call(module, example_inputs, kwargs)
@@ -105,8 +117,10 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
         module.train()
     try:
         # Checkpointed layers are traced as plain code: the plan decides what is recomputed.
-        with torch.random.fork_rng(devices=[]), autocast_off(), inline_checkpoints():
+        with torch.random.fork_rng(devices=[]), autocast_off(), inline_checkpoints(), watching(module, live):
             return _trace(module, call, loss_fn, model_name, fake, device, fuse, neutral, guards, dynamic)
+    except NotReplayable as e:
+        raise NotReplayableError(f"a plan cannot replay this step: {e}") from None
     except SymbolicError as e:
         raise TraceError(f"cannot trace one plan for every size: {e}") from None
     finally:

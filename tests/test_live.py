@@ -1,0 +1,243 @@
+"""A plan follows what the program does after it was traced, or refuses in one line.
+
+Each case changes the model's Python state the way training scripts do
+(after the first step, or in forward itself) and compares every step's
+gradients with eager's (`torch.equal`): a budget wrap plans again where the
+step read what changed, a plan wrap refuses naming it, and a step that does
+what no plan can replay is refused when it is traced, leaving the model as
+it was.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import remat_ir
+from remat_ir.runtime.bind import LiveGuard, PlanMismatch
+from remat_ir.trace.tracer import TraceError
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(32, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x)))) * self.scale
+
+
+def _loss(out, x):
+    return out.square().mean()
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _steps(model, changes, n: int = 3, x=None):
+    """Per-step gradients of `n` SGD steps, `changes[i]` applied to the model before step i."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8) if x is None else x
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for i in range(n):
+        if i in changes:
+            changes[i](getattr(model, "module", model))
+        torch.manual_seed(100 + i)
+        _loss(model(x), x).backward()
+        out.append(_grads(model))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(p, q) for ga, gb in zip(a, b) for p, q in zip(ga, gb))
+
+
+def _set(path, name, value):
+    def change(model):
+        setattr(model.get_submodule(path), name, value)
+    return change
+
+
+def _hook(model):
+    model.fc1.register_forward_hook(lambda m, i, o: o * 0.5)
+
+
+CHANGES = {
+    "dropout p to 0": ({1: _set("drop", "p", 0.0)}, "attribute p of submodule drop changed from 0.25 to 0.0"),
+    "a float read in forward": ({1: _set("", "scale", 0.5)}, "attribute scale of the model changed from 1.0 to 0.5"),
+    "a forward hook added": ({1: _hook}, "a forward hook of submodule fc1 was added"),
+}
+
+
+@pytest.mark.parametrize("case", CHANGES)
+def test_budget_wrap_plans_again_after_a_change(case, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    changes, said = CHANGES[case]
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    wrapped = remat_ir.wrap(model, loss=None)
+    assert _equal(_steps(wrapped, changes), _steps(eager, changes))
+    assert said in capsys.readouterr().err
+    assert len(wrapped.plans) == 1
+
+
+@pytest.mark.parametrize("case", CHANGES)
+def test_plan_wrap_refuses_a_change_naming_it(case):
+    changes, said = CHANGES[case]
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(6, 8)
+    plan = remat_ir.compile(model, (x,))
+    wrapped = remat_ir.wrap(model, plan)
+    _loss(wrapped(x), x).backward()
+    changes[1](model)
+    with pytest.raises(PlanMismatch, match=said):
+        wrapped(x)
+
+
+def test_unchanged_model_keeps_its_plan_and_eval_runs_hooks(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model = Net()
+    eager = copy.deepcopy(model)
+    wrapped = remat_ir.wrap(model)
+    assert _equal(_steps(wrapped, {}, 4), _steps(eager, {}, 4))
+    assert "planning it again" not in capsys.readouterr().err
+    seen = []
+    h = model.fc1.register_forward_hook(lambda m, i, o: seen.append(o))  # eval calls run eagerly, hooks too
+    model.eval()
+    with torch.no_grad():
+        wrapped(torch.randn(2, 8))
+    assert len(seen) == 1 and not isinstance(seen[0], torch._subclasses.FakeTensor)
+    h.remove()
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.n = 0
+
+    def forward(self, x):
+        self.n += 1
+        return self.fc(x) * self.n
+
+
+class PyRandomDepth(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        if random.random() < 0.5:  # stochastic depth decided in Python
+            x = self.a(x)
+        return self.b(x)
+
+
+def _recording(model):
+    kept = []
+    model.fc1.register_forward_hook(lambda m, i, o: kept.append(o))
+    return model
+
+
+def _printing(model):
+    model.fc1.register_forward_hook(lambda m, i, o: print(o.shape))
+    return model
+
+
+REFUSED = {
+    "a counter written in forward": (Counter, "the model \\(Counter\\) sets its attribute n in its forward"),
+    "Python's random": (PyRandomDepth, "the model \\(PyRandomDepth\\) draws from Python's random"),
+    "a hook that keeps what it sees": (lambda: _recording(Net()), "forward hook .*<lambda> of submodule fc1 "
+                                                                 "keeps the tensors it sees"),
+    "a hook that prints": (lambda: _printing(Net()), "forward hook .*<lambda> of submodule fc1 prints"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_cannot_be_replayed_is_refused_and_the_model_left_as_found(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    make, said = REFUSED[case]
+    model = make()
+    wrapped = remat_ir.wrap(model)
+    state = random.getstate()
+    before = {k: v for k, v in vars(model).items() if not k.startswith("_")}
+    x = torch.randn(2, 8)
+    with pytest.raises(TraceError, match=said) as e:
+        wrapped(x)
+    assert "\n" not in str(e.value)
+    assert random.getstate() == state
+    assert {k: v for k, v in vars(model).items() if not k.startswith("_")} == before
+    assert type(model) is type(make())  # the class the trace watched it with is gone
+    with pytest.raises(TraceError, match=said):
+        remat_ir.compile(model, (x,))
+
+
+def test_a_transforming_hook_is_traced_into_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = Net()
+    _hook(model)
+    eager = copy.deepcopy(model)
+    assert _equal(_steps(remat_ir.wrap(model), {}), _steps(eager, {}))
+
+
+def test_guard_survives_pickling(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model = Net()
+    wrapped = remat_ir.wrap(model)
+    _steps(wrapped, {}, 1)
+    copied = copy.deepcopy(wrapped)
+    assert copied._live_guard.changes(copied.module) == []
+    copied.module.drop.p = 0.0
+    assert copied._live_guard.changes(copied.module) == ["attribute p of submodule drop changed from 0.25 to 0.0"]
+    assert wrapped._live_guard.changes(model) == []
+
+
+def test_peft_set_scale_plans_again(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    from remat_ir.models.families import FAMILIES
+
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model, kwargs = FAMILIES["llama-lora"](0)
+    eager = copy.deepcopy(model)
+
+    def set_scale(m):
+        for mod in m.modules():
+            if hasattr(mod, "set_scale") and hasattr(mod, "scaling"):
+                mod.set_scale("default", 0.5)
+
+    def steps(m):
+        out = []
+        for i in range(2):
+            if i == 1:
+                set_scale(m)
+            torch.manual_seed(i)
+            m(**kwargs).loss.backward()
+            out.append([p.grad.clone() for p in m.parameters() if p.requires_grad])
+            m.zero_grad()
+        return out
+
+    assert _equal(steps(remat_ir.wrap(model)), steps(eager))
+    assert "attribute scaling of submodule" in capsys.readouterr().err
+
+
+def test_live_guard_lists_nothing_for_an_unchanged_model():
+    model = Net()
+    guard = LiveGuard([], model)
+    assert guard.changes(model) == []
+    h = model.register_forward_pre_hook(lambda m, a: None)
+    assert guard.changes(model) == ["a forward pre hook of the model was added"]
+    h.remove()
+    assert guard.changes(model) == []
