@@ -406,7 +406,8 @@ class AutoRemat(WrappedModule):
             self.solves += o["budget"] is not None
             fit = dict(scope=o["scope"], time_limit=o["time_limit"], solver=o["solver"], **effort)
             try:
-                plan = pipeline.fit(program, o["budget"], **fit)
+                plan = pipeline.fit(program, o["budget"], **fit) if traced is not None else \
+                    self._fit_alone(program, fit)
             except pipeline.BudgetError as e:
                 if traced is None:
                     raise
@@ -418,13 +419,34 @@ class AutoRemat(WrappedModule):
                 cached = _load_cached(path, program, o) if path is not None else None
                 if cached is not None:
                     return PlanRunner(self.module, cached, self.loss_fn, check_model=False)
-                plan = pipeline.fit(program, o["budget"], **fit)
+                plan = self._fit_alone(program, fit)
             if path is not None:
                 _store(path, plan)
             runner = PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
             if traced is not None:
                 self._traced[id(runner)] = traced
             return runner
+
+    def _fit_alone(self, program, fit: dict):
+        """`program` (one call's sizes) fitted to the budget; a call that
+        cannot meet it when other calls did (a short last batch, whose own
+        step the fixed costs dominate) runs by its floor plan, saying so in
+        one line, instead of stopping the loop.  The first call's budget is
+        still refused: it is the user's to change."""
+        from remat_ir import pipeline
+        from remat_ir.optimize.search import Infeasible
+
+        o = self.options
+        try:
+            return pipeline.fit(program, o["budget"], **fit)
+        except (Infeasible, pipeline.BudgetError) as e:
+            if not self.plans or o["budget"] is None or is_floor(o["budget"]):
+                raise
+            print(f"remat-ir: this call's step cannot meet budget {o['budget']} ({str(e).splitlines()[0]}); "
+                  "it runs by its floor plan, the least memory a plan of it holds", file=sys.stderr)
+        plan = pipeline.fit(program, "floor", **fit)
+        plan.header.comment.append(f"the floor of this call: budget {o['budget']} ({o['scope']}) was below it")
+        return plan
 
     def _path(self, program) -> Path:
         """The plan cache's file for `program` (as traced) and these options."""

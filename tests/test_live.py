@@ -241,3 +241,46 @@ def test_live_guard_lists_nothing_for_an_unchanged_model():
     assert guard.changes(model) == ["a forward pre hook of the model was added"]
     h.remove()
     assert guard.changes(model) == []
+
+
+def test_create_graph_through_a_plan_is_refused_at_the_grad_call(tmp_path, monkeypatch):
+    """A gradient penalty (WGAN-GP, R1) differentiates the gradient: a plan's
+    backward has no graph, so the call is refused, never answered without one."""
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model = Net()
+    wrapped = remat_ir.wrap(model)
+    x = torch.randn(6, 8, requires_grad=True)
+    out = _loss(wrapped(x), x)
+    with pytest.raises(RuntimeError, match="create_graph") as e:
+        torch.autograd.grad(out, x, create_graph=True)
+    assert "\n" not in str(e.value)
+    # Without create_graph, the same step's gradient is eager's.
+    torch.manual_seed(1)
+    g = torch.autograd.grad(_loss(wrapped(x), x), x)[0]
+    torch.manual_seed(1)
+    assert torch.equal(g, torch.autograd.grad(_loss(model(x), x), x)[0])
+
+
+def test_a_short_last_batch_below_its_floor_runs_by_its_floor_plan(tmp_path, monkeypatch, capsys):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0))
+    eager = copy.deepcopy(model)
+    wrapped = remat_ir.wrap(model, budget=0.8)
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    batches = [ids, ids[:2, :1]]  # the last batch: 2 x 1
+
+    def steps(m):
+        out = []
+        for b in batches:
+            torch.manual_seed(0)
+            m(input_ids=b, labels=b).loss.backward()
+            out.append([p.grad.clone() for p in m.parameters()])
+            m.zero_grad()
+        return out
+
+    assert _equal(steps(wrapped), steps(eager))
+    err = capsys.readouterr().err
+    assert "cannot meet budget 0.8" in err and "runs by its floor plan" in err

@@ -7,9 +7,11 @@ Prints a table: eager and wrapped median step times and their ratio, timed
 as remat-bench times its methods (`remat_ir.cli.measure.time_rounds`: the
 order rotated each round so machine noise hits both alike; two warm-up
 rounds first, not counted).  Then the
-cost of the per-step model guard (`remat_ir.runtime.bind.ModelGuard`, part
-of each wrapped step above) alone: its check timed over `--guard-calls`
-calls, five times, the median, and its share of the wrapped step.
+cost of the per-step guards (`remat_ir.runtime.bind.ModelGuard`, the module
+tree, and `LiveGuard`, the attributes the trace read and the hook dicts;
+part of each wrapped step above) alone: each check timed over
+`--guard-calls` calls, five times, the median, and its share of the wrapped
+step.
 """
 from __future__ import annotations
 
@@ -67,19 +69,23 @@ def main(argv=None) -> None:
     print(f"| {'eager':<10} | {1e3 * e:>7.1f} ms | {1.0:>6.3f} |")
     print(f"| {'remat-ir':<10} | {1e3 * w:>7.1f} ms | {rows[1].ratio:>6.3f} |")
 
-    guard, module = wrapped._model_guard, wrapped.module
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(args.guard_calls):
-            changed = guard.changes(module)
-        rounds.append((time.perf_counter() - t0) / args.guard_calls)
-        assert not changed
-    g = statistics.median(rounds)
+    module = wrapped.module
     n_modules = sum(1 for _ in module.modules())
     n_tensors = sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())
-    print(f"model guard check ({n_modules} modules, {n_tensors} parameters and buffers): {1e6 * g:.1f} us a step "
-          f"(median of 5 x {args.guard_calls} calls), {100 * g / w:.3f}% of the remat-ir step")
+    live = wrapped._live_guard
+    for name, guard, what in [
+            ("model guard", wrapped._model_guard, f"{n_modules} modules, {n_tensors} parameters and buffers"),
+            ("live guard", live, f"{len(live.entries)} attributes read, {len(live._hooks)} hook dicts")]:
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(args.guard_calls):
+                changed = guard.changes(module)
+            rounds.append((time.perf_counter() - t0) / args.guard_calls)
+            assert not changed
+        g = statistics.median(rounds)
+        print(f"{name} check ({what}): {1e6 * g:.1f} us a step (median of 5 x {args.guard_calls} calls), "
+              f"{100 * g / w:.3f}% of the remat-ir step")
 
 
 if __name__ == "__main__":

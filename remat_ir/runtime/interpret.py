@@ -256,6 +256,17 @@ def _token(device) -> torch.Tensor:
     return torch.empty(0, device=device)
 
 
+def _no_create_graph() -> None:
+    """Refuse a backward that is to be differentiated again: the plan's
+    backward runs outside autograd, so its gradients would come back without
+    a graph (a gradient penalty would add nothing)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("remat-ir: a planned step's backward cannot be differentiated again "
+                           "(autograd.grad(..., create_graph=True) or backward(create_graph=True)): its "
+                           "gradients would come back without a graph; run the step that needs create_graph "
+                           "on the model itself (wrapped.module(...)), which runs it eagerly")
+
+
 class _Head(torch.autograd.Function):
     """Runs the forward schedule; its backward receives the tangents."""
 
@@ -275,6 +286,7 @@ class _Head(torch.autograd.Function):
     def backward(ctx, *grads):
         state = ctx.state
         exe = state.exe
+        _no_create_graph()
         if state.next_segment != 0:
             raise RuntimeError("remat-ir: backward through a wrapped step can run only once "
                                "(retain_graph / double backward is not supported)")
@@ -297,6 +309,7 @@ class _Segment(torch.autograd.Function):
     @staticmethod
     def backward(ctx, token_grad):
         state = ctx.state
+        _no_create_graph()
         if state.next_segment != ctx.index:
             raise RuntimeError("remat-ir: backward pieces ran out of order")
         fn, _ = state.exe.segments[ctx.index]
