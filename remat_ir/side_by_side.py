@@ -13,7 +13,7 @@ def train_side_by_side(model: torch.nn.Module, kwargs: dict, *, budget=0.5, step
                        seed: int = 0) -> dict:
     """`steps` AdamW steps of a copy of `model` eagerly and of another copy
     through `remat_ir.wrap(copy, budget=budget)` (plans kept off disk), on
-    the same call and seeds.  Returns {"bitwise": parameters equal bit for
+    the same call and seeds.  Returns {"bitwise": parameters (and gradients) equal bit for
     bit after every step, "max_rel": the largest parameter difference over
     its tensor's largest magnitude, "plan_s": seconds of the first wrapped
     step (planning), "plans": plans made}."""
@@ -37,7 +37,9 @@ def train_side_by_side(model: torch.nn.Module, kwargs: dict, *, budget=0.5, step
                 plan_s = time.perf_counter() - t0
             opt.step()
         for a, b in zip(eager.parameters(), wrapped.module.parameters()):
-            bitwise &= torch.equal(a, b)
+            # Gradients too: AdamW's step can round a 1-ulp gradient difference away.
+            bitwise &= torch.equal(a, b) and (a.grad is None) == (b.grad is None) and (
+                a.grad is None or torch.equal(a.grad, b.grad))
             scale = a.detach().abs().max().item() or 1.0
             max_rel = max(max_rel, (a - b).abs().max().item() / scale)
     return {"bitwise": bitwise, "max_rel": max_rel, "plan_s": plan_s, "plans": len(wrapped.plans)}

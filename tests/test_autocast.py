@@ -231,3 +231,27 @@ def test_model_check_of_a_rewritten_plan_does_not_depend_on_the_callers_autocast
     remat_ir.wrap(copy.deepcopy(m.module), plan, loss=m.loss)  # the model check, outside autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
         remat_ir.wrap(copy.deepcopy(m.module), plan, loss=m.loss)
+
+
+@pytest.mark.parametrize("budget", [None, 0.8])
+def test_per_step_gradients_under_autocast_are_eagers_bits(budget, tmp_path, monkeypatch):
+    """Each step's gradients, not the parameters after an optimizer (whose
+    updates can hide a difference): one symbolic plan serves calls of three
+    sizes, its dropout eager's own (`dropout`'s C++ composite, whose mask
+    holds 1/(1-p) in bfloat16, not `native_dropout`'s exact scale)."""
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    m = load_model("gpt2-tiny", batch=2, seq=16)
+    eager = copy.deepcopy(m.module)
+    w = remat_ir.wrap(m.module, budget=budget)
+    (idx, targets) = m.inputs
+    for b, t in [(2, 16), (3, 12), (2, 16)]:
+        x, y = idx.repeat(2, 1)[:b, :t].contiguous(), targets.repeat(2, 1)[:b, :t].contiguous()
+        for model in (w, eager):
+            torch.manual_seed(b * t)
+            with torch.autocast(**BF16):
+                loss = model(x, y)
+            loss.backward()
+        for (name, p), q in zip(m.module.named_parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad), (name, (b, t), (p.grad - q.grad).abs().max().item())
+        m.module.zero_grad()
+        eager.zero_grad()

@@ -77,10 +77,8 @@ class Block(torch.nn.Module):
         super().__init__()
         self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
         self.drop = torch.nn.Dropout(0.1)
-        self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
         return x + self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
 
 
@@ -109,12 +107,14 @@ def test_a_model_calling_checkpoint_trains_as_eager(how, tmp_path, monkeypatch):
     torch.manual_seed(0)
     model, x = Checkpointed(how), torch.randn(32, 8)
     eager = copy.deepcopy(model)
+    calls = []  # (a counter in the model's forward would be refused: a plan cannot replay it)
+    for b in eager.blocks:
+        b.register_forward_pre_hook(lambda m, a: calls.append(m))
     w = remat_ir.wrap(model, budget=0.5)
     assert torch.equal(_adamw(w, lambda m: m(x)), _adamw(eager, lambda m: m(x)))
     assert _same(model, eager) and _recomputes(w)
     # Eager checkpointed: its blocks ran again in backward (the plan's steps run no module code).
-    ran = sum(b.calls for b in eager.blocks)
-    assert ran > 3 * len(eager.blocks), ran
+    assert len(calls) > 3 * len(eager.blocks), len(calls)
     # The trace left checkpoint as it was.
     assert ckpt.CheckpointFunction.__name__ == "CheckpointFunction"
     assert ckpt._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"

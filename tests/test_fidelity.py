@@ -17,7 +17,7 @@ from remat_ir.models.families import FAMILIES  # noqa: E402
 from remat_ir.side_by_side import train_side_by_side  # noqa: E402
 from remat_ir.trace.fidelity import compare  # noqa: E402
 
-FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "t5", "bart", "vit"]
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "t5", "bart", "vit", "clip"]
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

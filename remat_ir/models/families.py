@@ -125,6 +125,25 @@ def vit(seed: int = 0):
                    "labels": torch.randint(0, 10, (_BATCH,), generator=g)}
 
 
+def clip(seed: int = 0):
+    """A contrastive image-text model (CLIP: two 2-layer towers on 32 x 32
+    images and 16-token texts), called with return_loss=True: its loss sums
+    over the logits with the learned `logit_scale`."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=_SEQ, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (3, 16), generator=g)
+    ids[:, -1] = 2  # the text tower pools at the end-of-text token
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                   "pixel_values": torch.randn(3, 3, 32, 32, generator=g), "return_loss": True}
+
+
 FAMILIES: dict[str, Callable] = {
     "llama": llama,
     "llama-padded": lambda seed=0: llama(seed, padded=True),
@@ -134,4 +153,5 @@ FAMILIES: dict[str, Callable] = {
     "t5": t5,
     "bart": bart,
     "vit": vit,
+    "clip": clip,
 }

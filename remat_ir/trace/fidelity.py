@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat_ir.trace.calls import split_call
 from remat_ir.trace.guards import storage_of, written_tensors
-from remat_ir.trace.tracer import model_params, trace_module
+from remat_ir.trace.tracer import backward, model_params, trace_module
 
 __all__ = ["Fidelity", "compare", "eager_ops"]
 
@@ -66,6 +66,9 @@ class _Record(TorchDispatchMode):
         # A tensor as a view of its storage -> the op that returned it (autograd may
         # hand the caller another tensor object for the same view).
         self.made: dict[tuple, int] = {}
+        # A tensor -> the op that returned it: two views alike (CLIP's `logits.t()`
+        # and `logits.T`) are two ops, and the caller's tensor is one of them.
+        self.made_by_id: dict[int, int] = {}
         self.written: dict[int, int] = {}  # storage -> the op that last wrote into it in place
         self.fresh: set[int] = set()  # storages the step allocated
         self.keep: list = []  # the tensors seen, so their ids and storages stay theirs
@@ -91,13 +94,15 @@ class _Record(TorchDispatchMode):
         aliasing = func.is_view or any(r.alias_info is not None for r in func._schema.returns)
         for t in outs:
             self.made[_view(t)] = k
+            self.made_by_id[id(t)] = k
             if not aliasing:
                 self.fresh.add(storage_of(t))
         self.keep += ins
         return out
 
     def _sources(self, tensors) -> list[int]:
-        out = [self.made[_view(t)] for t in tensors if _view(t) in self.made]
+        out = [self.made_by_id.get(id(t), self.made.get(_view(t))) for t in tensors]
+        out = [k for k in out if k is not None]
         return out + [self.written[storage_of(t)] for t in tensors if storage_of(t) in self.written]
 
     def used(self, results) -> list[str]:
@@ -134,7 +139,7 @@ def eager_ops(model: torch.nn.Module, args=(), kwargs=None, loss_fn=None) -> lis
             leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
             tangents = [torch.ones_like(o) for o in leaves]  # the trace's inputs, not its ops
             with rec:
-                grads = torch.autograd.grad(leaves, wrt, tangents, allow_unused=True)
+                grads = backward(leaves, wrt, tangents)
     finally:
         model.train(was_training)
     return rec.used(leaves + [g for g in grads if g is not None])

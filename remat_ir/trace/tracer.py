@@ -209,7 +209,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
 
     # A first pass to learn the forward results' structure and shapes.
     try:
-        with mode, fake_kernels(target), enable_python_dispatcher() if symbolic else contextlib.nullcontext():
+        with mode, fake_kernels(target), _python_dispatcher() if symbolic else contextlib.nullcontext():
             probe = run(f_params, f_bufs, f_inputs)
     except Exception as e:  # noqa: BLE001 - the model's own code failed under fake tensors
         raise _explain(e) from e
@@ -239,7 +239,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
         flat_out = pytree.tree_leaves(out)
         wrt = [ps[i] for i in trainable] + [xs[i] for i in grad_inputs]
         _tag_backward_ops([flat_out[i] for i in diff])
-        grads = torch.autograd.grad([flat_out[i] for i in diff], wrt, list(tans), allow_unused=True)
+        grads = backward([flat_out[i] for i in diff], wrt, list(tans))
         return flat_out, list(grads)
 
     hooks = _install_module_hooks(module)
@@ -247,7 +247,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
         with fx_traceback.preserve_node_meta(), mode, fake_kernels(target):
             # A symbolic trace runs composite ops' Python decompositions (pad's), which keep
             # sizes symbolic, as make_fx's "symbolic" mode does (which would fake the inputs again).
-            with enable_python_dispatcher() if symbolic else contextlib.nullcontext():
+            with _python_dispatcher() if symbolic else contextlib.nullcontext():
                 gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_inputs, *f_tangents)
     except TraceError:
         raise
@@ -270,6 +270,34 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
         program.header.comment.append(NEUTRAL_NOTE)
         retarget(program, target)
     return program
+
+
+# Composite ops whose Python decomposition (what the Python dispatcher runs)
+# is another step than eager's C++ one.  `dropout`'s is `native_dropout`, whose
+# backward scales by 1/(1-p) exactly, where eager's CPU dropout multiplies by
+# its mask `bernoulli_(1-p).div_(1-p)`, which holds 1/(1-p) rounded to the
+# tensor's dtype (bf16 under autocast: 1.109375 for p=0.1, not 1.1111).
+_EAGER_COMPOSITES = (torch.ops.aten.dropout.default,)
+
+
+@contextlib.contextmanager
+def _python_dispatcher():
+    """The Python dispatcher (a symbolic trace runs composite ops' Python
+    decompositions, which keep sizes symbolic), except for the ops in
+    `_EAGER_COMPOSITES`, which run their C++ composite, op for op as eager."""
+    saved = []
+    for op in _EAGER_COMPOSITES:
+        keys = [k for k in (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+                if k in op.py_kernels]
+        saved.append((op, {k: op.py_kernels.pop(k) for k in keys}))
+        op._dispatch_cache.clear()
+    try:
+        with enable_python_dispatcher():
+            yield
+    finally:
+        for op, kernels in saved:
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
 
 
 def _drop_unused(gm) -> None:
@@ -377,6 +405,34 @@ def _explain(e: Exception) -> TraceError:
     if "DataDependent" in name or "GuardOnDataDependent" in name:
         return TraceError(f"unsupported data-dependent operation: {str(e).splitlines()[0]}")
     return TraceError(f"tracing failed: {name}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def backward(results, wrt, tangents):
+    """`torch.autograd.grad(results, wrt, tangents)`, accumulated as eager's
+    `loss.backward()` is: a result that autograd reaches from another result
+    (logits under the loss) gets its tangent added by a hook, after the
+    gradients that flow into it from above, instead of as a root of the pass.
+    As a root its tangent is the gradient's first term, and a sum's first
+    term gives it its memory layout: CLIP's logits' gradient (the transposed
+    image loss's plus the text loss's) would be row-major, not eager's
+    column-major, and `logit_scale`'s gradient, a sum over it, would add in
+    another order (1 ulp off)."""
+    below, seen = set(), set()
+    work = [r.grad_fn for r in results if r.grad_fn is not None]
+    while work:
+        fn = work.pop()
+        if fn not in seen:
+            seen.add(fn)
+            below.update((f, nr) for f, nr in fn.next_functions if f is not None)
+            work.extend(f for f, _ in fn.next_functions if f is not None)
+    roots, root_tangents = [], []
+    for r, t in zip(results, tangents):
+        if r.grad_fn is not None and (r.grad_fn, r.output_nr) in below:
+            r.register_hook(lambda g, t=t: t if g is None else g + t)
+        else:
+            roots.append(r)
+            root_tangents.append(t)
+    return torch.autograd.grad(roots, wrt, root_tangents, allow_unused=True)
 
 
 def _tag_backward_ops(outputs) -> None:
