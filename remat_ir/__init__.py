@@ -15,7 +15,8 @@ from __future__ import annotations
 # In a leaf module, so that a submodule needing it does not import the package (whose __getattr__ imports it).
 from remat_ir.version import __version__  # noqa: F401
 
-__all__ = ["compile", "wrap", "backend", "load_plan", "save_plan", "trace_module", "verify", "simulate"]
+__all__ = ["compile", "wrap", "unwrap", "planner", "backend", "load_plan", "save_plan", "trace_module", "verify",
+           "simulate"]
 
 
 def __getattr__(name):
@@ -27,6 +28,10 @@ def __getattr__(name):
         # A plan given runs without the optimizer; a budget plans on first use (remat_ir.adopt).
         from remat_ir.adopt import wrap
         return wrap
+    if name in ("unwrap", "planner"):
+        # The model's own class again / what plans its steps (remat_ir.runtime.interpret).
+        from remat_ir.runtime import interpret
+        return getattr(interpret, name)
     if name == "backend":
         # torch.compile(model, backend=remat_ir.backend(budget=0.5)): a plan per compiled region.
         from remat_ir.torch_compile import backend

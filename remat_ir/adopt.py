@@ -51,9 +51,9 @@ import torch
 from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT, is_floor
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.runtime.bind import LiveGuard, ModelGuard
-from remat_ir.runtime.interpret import PlanRunner, WrappedModule
+from remat_ir.runtime.interpret import PlanRunner, WrappedModule, planner, unwrap  # noqa: F401 (re-exported)
 
-__all__ = ["AutoRemat", "cache_dir", "wrap"]
+__all__ = ["AutoRemat", "cache_dir", "planner", "unwrap", "wrap"]
 
 _PROGRESS_AFTER_S = 2.0
 
@@ -103,6 +103,17 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     will have ({"input_ids": (8, 512)}; None for a dimension left to the
     default): the range a symbolic plan covers, which a fraction of a budget
     refers to."""
+    from remat_ir.ir.types import Program
+    from remat_ir.runtime.interpret import adopt, unwrap
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wrap() takes a torch.nn.Module, not {type(model).__name__}")
+    if plan is not None and not isinstance(plan, (Program, str, os.PathLike)):
+        hint = f"; for a budget write wrap(model, budget={plan!r})" if isinstance(plan, (int, float)) else ""
+        raise TypeError(f"wrap()'s second argument is a plan (a Program, or a .rir file's path), not "
+                        f"{type(plan).__name__}{hint}")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"wrap()'s loss is a function loss(output, *args, **kwargs), not {type(loss).__name__}")
     if plan is not None:
         if budget is not None:
             raise ValueError("give wrap() a plan or a budget, not both: the plan already fits its budget")
@@ -122,15 +133,16 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     # A budget or time limit that is no positive, finite amount fails here, not at the first step.
     pipeline.check_budget(budget)
     pipeline.check_time_limit(time_limit)
+    unwrap(model)  # wrapped again: the new options replace the old
     if _uses_fsdp(model):
         from remat_ir.runtime.fsdp import FSDPRemat
 
-        return FSDPRemat(model, loss, unit_planner=AutoRemat, budget=budget, scope=scope, optimizer=optimizer,
-                         cost=cost, effort=effort, time_limit=time_limit, solver=solver, cache=cache,
-                         max_plans=max_plans)
-    return AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
-                     time_limit=time_limit, solver=solver, cache=cache, max_plans=max_plans, dynamic=dynamic,
-                     max_shape=max_shape)
+        return adopt(model, FSDPRemat(model, loss, unit_planner=AutoRemat, budget=budget, scope=scope,
+                                      optimizer=optimizer, cost=cost, effort=effort, time_limit=time_limit,
+                                      solver=solver, cache=cache, max_plans=max_plans))
+    return adopt(model, AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost,
+                                  effort=effort, time_limit=time_limit, solver=solver, cache=cache,
+                                  max_plans=max_plans, dynamic=dynamic, max_shape=max_shape))
 
 
 class AutoRemat(WrappedModule):

@@ -550,7 +550,13 @@ class WrappedModule(torch.nn.Module):
 
     @opaque_to_dynamo
     def _planned_step(self, args, kwargs):
-        return self.step(split_call(self.module, args, kwargs))
+        # While the step is planned and run, a call of the adopted model (the
+        # trace's) is the model's own.
+        self.__dict__["_busy"] = self.__dict__.get("_busy", 0) + 1
+        try:
+            return self.step(split_call(self.module, args, kwargs))
+        finally:
+            self.__dict__["_busy"] -= 1
 
     def __getattr__(self, name: str):
         try:
@@ -577,6 +583,9 @@ class WrappedModule(torch.nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         _show_signature(self)
+        if self.__dict__.get("_adopts"):  # (a copy of an adopted model: the copy is adopted too)
+            model = self.module
+            model.__class__ = _adopted_class(getattr(type(model), "_remat_base", type(model)))
 
     def __deepcopy__(self, memo):
         import copy
@@ -604,6 +613,88 @@ def _show_signature(wrapper: WrappedModule) -> None:
     forward.__signature__ = sig
     forward.__doc__ = cls_forward.__doc__
     wrapper.__dict__["forward"] = forward
+
+
+# ------------------------------------------------------------ adoption
+
+
+class Adopted:
+    """The mixin of an adopted model's class (see `adopt`): a training call
+    goes to the model's planner, anything else (and the planner's own calls)
+    to the model's class as it was.  Pickled or deep-copied, the model is
+    saved as its own class and its copy adopted again.  (No `__slots__`:
+    with them the class's layout would differ from the model's.)"""
+
+    def __call__(self, *args, **kwargs):
+        planner = self.__dict__.get("_remat_ir")
+        if planner is None or planner.__dict__.get("_busy") or not runs_plan(self):
+            return super().__call__(*args, **kwargs)
+        return planner._planned_step(args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        import copyreg
+
+        rv = super().__reduce_ex__(protocol)
+        func, args = rv[0], rv[1]
+        if args and args[0] is type(self):
+            # (pickle refuses __newobj__ of another class than the object's: a function of our own)
+            rv = (_instance_of if func is copyreg.__newobj__ else func, (type(self)._remat_base, *args[1:]),
+                  *rv[2:])
+        return rv
+
+
+def _instance_of(cls, *args):
+    return cls.__new__(cls, *args)
+
+
+_ADOPTED: dict[type, type] = {}
+
+
+def _adopted_class(base: type) -> type:
+    """`base` with training calls by a plan: same name, module and qualified
+    name, a subclass (`isinstance` holds), made once per class, as FSDP2's
+    `fully_shard` makes `FSDP<Class>`."""
+    cls = _ADOPTED.get(base)
+    if cls is None:
+        cls = type(base.__name__, (Adopted, base), {"__module__": base.__module__,
+                                                    "__qualname__": base.__qualname__, "_remat_base": base})
+        _ADOPTED[base] = cls
+    return cls
+
+
+def adopt(model: torch.nn.Module, planner: WrappedModule) -> torch.nn.Module:
+    """`model` itself, its training calls run by `planner` from now on: its
+    class becomes `_adopted_class` of its own (nothing else of it changes:
+    its state_dict keys, forward signature, attributes, hooks and methods are
+    its own) and the planner is kept in its `__dict__` (not a submodule: no
+    state_dict key, not moved by `.to()`).  A model adopted already is
+    adopted by the new planner.  `unwrap` undoes it."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"remat-ir adopts a torch.nn.Module, not {type(model).__name__}")
+    base = getattr(type(model), "_remat_base", type(model))
+    model.__class__ = _adopted_class(base)
+    model.__dict__["_remat_ir"] = planner
+    planner.__dict__["_adopts"] = True
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` as it was before `remat_ir.wrap`: its own class, no planner
+    (plans made are dropped; a unit of a sharded model gets its forward
+    back).  A model never wrapped is returned as it is."""
+    planner = model.__dict__.pop("_remat_ir", None)
+    if isinstance(type(model), type) and "_remat_base" in type(model).__dict__:
+        model.__class__ = type(model)._remat_base
+    if planner is not None:
+        planner.__dict__["_adopts"] = False
+        for unit in getattr(planner, "units", ()):
+            unit.unit.__dict__.pop("forward", None)
+    return model
+
+
+def planner(model: torch.nn.Module):
+    """The planner of an adopted model (its `plans`, `plan_of`, `solves`), or None."""
+    return model.__dict__.get("_remat_ir") if isinstance(model, torch.nn.Module) else None
 
 
 class RematModule(WrappedModule):
@@ -636,8 +727,10 @@ class RematModule(WrappedModule):
         return self.runner.run(self.module, call)
 
 
-def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bool = True) -> RematModule:
-    """`model` run by `program`; `loss` is the loss function when the plan includes one.
+def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bool = True) -> torch.nn.Module:
+    """`model` itself, adopted (`adopt`): its training steps run by
+    `program` from now on; `loss` is the loss function when the plan
+    includes one.
 
     Refuses (PlanMismatch) a plan made for other parameters, an unsound plan,
     and, unless `check_model=False`, a plan whose graph the model no longer
@@ -648,4 +741,5 @@ def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bo
     changed since in what `remat_ir.runtime.bind.ModelGuard` watches (a
     submodule replaced, a parameter or buffer object replaced, requires_grad
     or a submodule's train/eval mode changed), naming the change."""
-    return RematModule(model, program, loss, check_model)
+    unwrap(model)  # (its checks trace the model as it is, not by an earlier plan)
+    return adopt(model, RematModule(model, program, loss, check_model))
