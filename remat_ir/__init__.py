@@ -15,7 +15,7 @@ from __future__ import annotations
 # In a leaf module, so that a submodule needing it does not import the package (whose __getattr__ imports it).
 from remat_ir.version import __version__  # noqa: F401
 
-__all__ = ["compile", "wrap", "unwrap", "planner", "backend", "load_plan", "save_plan", "trace_module", "verify",
+__all__ = ["compile", "wrap", "unwrap", "planner", "eager", "backend", "load_plan", "save_plan", "trace_module", "verify",
            "simulate"]
 
 
@@ -28,7 +28,7 @@ def __getattr__(name):
         # A plan given runs without the optimizer; a budget plans on first use (remat_ir.adopt).
         from remat_ir.adopt import wrap
         return wrap
-    if name in ("unwrap", "planner"):
+    if name in ("unwrap", "planner", "eager"):
         # The model's own class again / what plans its steps (remat_ir.runtime.interpret).
         from remat_ir.runtime import interpret
         return getattr(interpret, name)

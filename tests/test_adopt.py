@@ -83,7 +83,7 @@ def test_budget_wrap_trains_a_causal_lm_as_eager_and_caches_its_plans(tmp_path, 
     assert type(out_w) is type(out_e) and out_w.logits.shape == out_e.logits.shape
     assert torch.equal(out_w.loss, out_e.loss)
     assert _same_parameters(model, eager)
-    plan = next(iter(wrapped.plans.values())).program
+    plan = next(iter(remat_ir.planner(wrapped).plans.values())).program
     assert plan.header.budget is not None and plan.header.budget.scope == "activations"
     assert [v.source for v in plan.values if v.kind == "input"] == ["input_ids", "attention_mask", "labels"]
 
@@ -91,7 +91,7 @@ def test_budget_wrap_trains_a_causal_lm_as_eager_and_caches_its_plans(tmp_path, 
     _train(eager, [_batch(1, 32, 9)], seed=9)
     _train(wrapped, [_batch(1, 32, 9)], seed=9)
     assert _same_parameters(model, eager)
-    assert len(wrapped.plans) == 2 and len(list(tmp_path.glob("*.rir"))) == 2
+    assert len(remat_ir.planner(wrapped).plans) == 2 and len(list(tmp_path.glob("*.rir"))) == 2
 
     # A second process finds the plan on disk: the optimizer is not even imported.
     r = subprocess.run([sys.executable, "-c", _SECOND_RUN.format(tests=str(ROOT / "tests"))],
@@ -173,22 +173,23 @@ def test_wrapper_manners(tmp_path, monkeypatch):
         torch.manual_seed(1)
         _loss(ref(x, **kwargs)).backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
-    assert len(w.plans) == 3  # None, a tensor, another constant: three signatures
+    assert len(remat_ir.planner(w).plans) == 3  # None, a tensor, another constant: three signatures
     small = remat_ir.wrap(Net(), loss=_loss, max_plans=2, dynamic=False)  # a plan per batch size
     for n in (1, 2, 3, 1):
         small(torch.randn(n, 8)).backward()
     # The least recently used plan (batch 2) went.
-    assert [next(v.shape for v in r.program.values if v.kind == "input") for r in small.plans.values()] == \
-        [[3, 8], [1, 8]]
+    assert [next(v.shape for v in r.program.values if v.kind == "input")
+            for r in remat_ir.planner(small).plans.values()] == [[3, 8], [1, 8]]
     import inspect
 
     assert list(inspect.signature(w.forward).parameters) == ["x", "mask", "scale"]
 
-    # Its mode is the model's: the wrapper in train mode, the model in eval: eager.
-    w.train()
+    # In eval mode it runs eagerly, with the loss it was wrapped with (as a training call).
+    assert w is net and isinstance(w, Net) and list(w.state_dict()) == list(ref.state_dict())
     net.eval()
-    assert torch.equal(w(x), _loss(net(x)))
+    assert torch.equal(w(x), _loss(ref.eval()(x)))
     net.train()
+    ref.train()
 
     # Pickles (the compiled code is made again from the plan), and trains after loading.
     buf = io.BytesIO()
@@ -198,16 +199,18 @@ def test_wrapper_manners(tmp_path, monkeypatch):
     w2(x).backward()
     copy.deepcopy(w)(x).backward()
     lam = remat_ir.wrap(Net(), loss=lambda out, x: out["out"].sum())
-    with pytest.raises(TypeError, match=r"save the model itself \(wrapper.module"):
+    with pytest.raises(TypeError, match=r"save the model's state_dict\(\) \(or remat_ir.unwrap"):
         torch.save(lam, io.BytesIO())
 
     # A dtype change after wrapping is named, not an aten error.
-    plan = remat_ir.compile(net, (x,), loss=_loss)
-    wp = remat_ir.wrap(net, plan, loss=_loss)
+    other = copy.deepcopy(ref)
+    plan = remat_ir.compile(other, (x,), loss=_loss)
+    wp = remat_ir.wrap(other, plan, loss=_loss)
     wp.double()
     with pytest.raises(PlanMismatch, match="fc1.weight is float64.*compiled for float32"):
         wp(x.double())
     # The budget wrapper plans for the model as it is now, and refuses its float32 plan.
+    w.double()
     w(x.double()).backward()
     with pytest.raises(PlanMismatch, match="fc1.weight is float64"):
         w(x)
@@ -231,7 +234,7 @@ def _wrapped_step(cache: Path, budget, **options):
     before = set(cache.glob("*.rir"))
     w = remat_ir.wrap(_deep(), loss=_sum_loss, budget=budget, **options)
     w(torch.randn(32, 64, generator=torch.Generator().manual_seed(0))).backward()
-    (runner,) = w.plans.values()
+    (runner,) = remat_ir.planner(w).plans.values()
     new = set(cache.glob("*.rir")) - before
     return runner.program, (new.pop() if new else None)
 

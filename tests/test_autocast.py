@@ -59,7 +59,7 @@ def test_gpt2_tiny_under_autocast_trains_as_eager(tmp_path, monkeypatch):
 
     assert torch.equal(_adamw(w, step), _adamw(eager, step))
     assert _same(m.module, eager)
-    (runner,) = w.plans.values()
+    (runner,) = remat_ir.planner(w).plans.values()
     plan = runner.program
     assert plan.header.autocast == "cpu:bfloat16" and _recomputes(plan)
     assert any(v.dtype == "bfloat16" for v in plan.values)  # the casts are the plan's own ops
@@ -68,7 +68,7 @@ def test_gpt2_tiny_under_autocast_trains_as_eager(tmp_path, monkeypatch):
     # budget takes the LM head and loss in chunks (a sum in another order): close, not bitwise.
     assert torch.allclose(_adamw(w, step, 1, None), _adamw(eager, step, 1, None), rtol=1e-5, atol=0)
     assert all(torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in zip(m.module.parameters(), eager.parameters()))
-    assert [r.program.header.autocast for r in w.plans.values()] == ["cpu:bfloat16", ""]
+    assert [r.program.header.autocast for r in remat_ir.planner(w).plans.values()] == ["cpu:bfloat16", ""]
     assert len(list(tmp_path.glob("*.rir"))) == 2
 
 
@@ -86,7 +86,7 @@ def test_llama_under_autocast_trains_as_eager(tmp_path, monkeypatch):
 
     assert torch.equal(_adamw(w, step), _adamw(eager, step))
     assert _same(model, eager)
-    (runner,) = w.plans.values()
+    (runner,) = remat_ir.planner(w).plans.values()
     assert runner.program.header.autocast == "cpu:bfloat16" and _recomputes(runner.program)
 
 
@@ -173,7 +173,7 @@ def test_trainer_bf16_trains_the_wrapped_model_as_the_model(tmp_path, monkeypatc
     eager, _ = train(False)
     assert _same(model, eager)
     assert not _same(model, _llama(transformers))  # it trained
-    assert [r.program.header.autocast for r in wrapper.plans.values()] == ["cpu:bfloat16"]
+    assert [r.program.header.autocast for r in remat_ir.planner(wrapper).plans.values()] == ["cpu:bfloat16"]
 
 
 def test_remat_compile_autocast_and_remat_run(tmp_path, capsys):

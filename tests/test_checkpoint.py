@@ -42,7 +42,7 @@ def _adamw(model, step, n: int = 3):
 
 
 def _recomputes(wrapper) -> bool:
-    (runner,) = wrapper.plans.values()
+    (runner,) = remat_ir.planner(wrapper).plans.values()
     p = runner.program
     return any(i.kind == RECOMPUTE for i in p.forward + p.backward)
 

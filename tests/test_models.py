@@ -275,9 +275,9 @@ def _step_both(eager, wrapped, inputs, steps=2):
         lp = wrapped(*inputs)
         lp.backward()
         assert torch.equal(le.detach(), lp.detach()), step
-        for (name, a), b in zip(eager.named_parameters(), wrapped.module.parameters()):
+        for (name, a), b in zip(eager.named_parameters(), wrapped.parameters()):
             assert torch.equal(a.grad, b.grad), (step, name)
-        for (name, a), b in zip(eager.named_buffers(), wrapped.module.buffers()):
+        for (name, a), b in zip(eager.named_buffers(), wrapped.buffers()):
             assert torch.equal(a, b), (step, name)
 
 

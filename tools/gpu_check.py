@@ -193,7 +193,7 @@ class Check(Row):
 def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
     from remat_ir.check.simulate import simulate
     from remat_ir.runtime.bind import PlanMismatch, first_difference
-    from remat_ir.runtime.interpret import wrap
+    from remat_ir.runtime.interpret import adopt, planner, unwrap, wrap
     from remat_ir.runtime.load import load_model
     from remat_ir.runtime.run import optimizer_state
     from remat_ir.trace.device import is_neutral
@@ -258,8 +258,17 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
             methods.append(Check(f"remat-{tag}", label, "remat", status=f"failed: {type(e).__name__}: {e}"))
             continue
 
-        def plan_step(w=w):
-            w(*inputs).backward()
+        # wrap() adopts the model in place: each plan's step adopts it for itself, and
+        # the eager steps (and the other plans) meet the model as it was.
+        p = planner(w)
+        unwrap(model)
+
+        def plan_step(p=p):
+            adopt(model, p)
+            try:
+                model(*inputs).backward()
+            finally:
+                unwrap(model)
 
         rep = simulate(program, grads_present=True)
         methods.append(Check(f"remat-{tag}", label, "remat", step=plan_step, program=program, note=note,

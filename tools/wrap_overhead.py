@@ -23,7 +23,7 @@ import time
 import torch
 
 from remat_ir.cli.measure import Row, time_rounds
-from remat_ir.runtime.interpret import wrap
+from remat_ir.runtime.interpret import planner, wrap
 from remat_ir.runtime.load import load_model
 from remat_ir.trace.tracer import trace_module
 
@@ -69,12 +69,12 @@ def main(argv=None) -> None:
     print(f"| {'eager':<10} | {1e3 * e:>7.1f} ms | {1.0:>6.3f} |")
     print(f"| {'remat-ir':<10} | {1e3 * w:>7.1f} ms | {rows[1].ratio:>6.3f} |")
 
-    module = wrapped.module
+    module = wrapped
     n_modules = sum(1 for _ in module.modules())
     n_tensors = sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())
-    live = wrapped._live_guard
+    live = planner(wrapped)._live_guard
     for name, guard, what in [
-            ("model guard", wrapped._model_guard, f"{n_modules} modules, {n_tensors} parameters and buffers"),
+            ("model guard", planner(wrapped)._model_guard, f"{n_modules} modules, {n_tensors} parameters and buffers"),
             ("live guard", live, f"{len(live.entries)} attributes read, {len(live._hooks)} hook dicts")]:
         rounds = []
         for _ in range(5):

@@ -16,6 +16,8 @@ This module must not import cvxpy: loading and running a plan needs only torch.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -30,6 +32,7 @@ from remat_ir.runtime.bind import (
     LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
 )
 from remat_ir.trace.calls import autocast_off, split_call
+from remat_ir.trace.live import tracing
 
 
 # ------------------------------------------------------------------ codegen
@@ -264,7 +267,7 @@ def _no_create_graph() -> None:
         raise RuntimeError("remat-ir: a planned step's backward cannot be differentiated again "
                            "(autograd.grad(..., create_graph=True) or backward(create_graph=True)): its "
                            "gradients would come back without a graph; run the step that needs create_graph "
-                           "on the model itself (wrapped.module(...)), which runs it eagerly")
+                           "under `with remat_ir.eager(model):`, which runs the model's own forward")
 
 
 class _Head(torch.autograd.Function):
@@ -335,7 +338,7 @@ class _Segment(torch.autograd.Function):
 opaque_to_dynamo = getattr(torch, "_disable_dynamo", None) or (lambda fn: torch.compiler.disable(fn))
 
 
-def eager_step(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict):
+def eager_step(model, loss_fn, args: tuple, kwargs: dict):
     """What the step is without a plan: the model, then the loss if any."""
     out = model(*args, **kwargs)
     return loss_fn(out, *args, **kwargs) if loss_fn is not None else out
@@ -574,8 +577,8 @@ class WrappedModule(torch.nn.Module):
             pickle.dumps(self.loss_fn)
         except Exception as e:  # noqa: BLE001 - whatever pickle says, say what to save instead
             raise TypeError(f"cannot pickle the wrapped model: its loss function {self.loss_fn!r} cannot be "
-                            f"pickled ({e}); save the model itself (wrapper.module, or its state_dict()) and "
-                            "wrap it again after loading") from None
+                            f"pickled ({e}); save the model's state_dict() (or remat_ir.unwrap(model) first) "
+                            "and wrap it again after loading") from None
         state = self.__dict__.copy()
         state.pop("forward", None)
         return state
@@ -627,8 +630,11 @@ class Adopted:
 
     def __call__(self, *args, **kwargs):
         planner = self.__dict__.get("_remat_ir")
-        if planner is None or planner.__dict__.get("_busy") or not runs_plan(self):
+        # Its own forward also while remat-ir traces a step (the model called inside another one, compile()).
+        if planner is None or planner.__dict__.get("_busy") or tracing():
             return super().__call__(*args, **kwargs)
+        if not runs_plan(self):  # (with the loss wrap() was given, as a training call)
+            return eager_step(super().__call__, planner.loss_fn, args, kwargs)
         return planner._planned_step(args, kwargs)
 
     def __reduce_ex__(self, protocol):
@@ -690,6 +696,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         for unit in getattr(planner, "units", ()):
             unit.unit.__dict__.pop("forward", None)
     return model
+
+
+@contextlib.contextmanager
+def eager(model: torch.nn.Module):
+    """Within it, calls of an adopted `model` run its own forward, training
+    steps included (a step to differentiate twice, a debugging run)."""
+    p = planner(model)
+    if p is not None:
+        p.__dict__["_busy"] = p.__dict__.get("_busy", 0) + 1
+    try:
+        yield model
+    finally:
+        if p is not None:
+            p.__dict__["_busy"] -= 1
 
 
 def planner(model: torch.nn.Module):

@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from remat_ir.runtime.bind import PlanMismatch
-from remat_ir.runtime.interpret import wrap
+from remat_ir.runtime.interpret import unwrap, wrap
 from remat_ir.ir import INPUT, RESULT, Program
 from remat_ir.ir.types import DTYPE_SHORT, OPTIMIZER_STATES
 from remat_ir.runtime.load import LoadedModel
@@ -249,7 +249,7 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
         measured_outside=later.baseline_by_category.get("unregistered", 0), step_times=[], eager_step_times=[])
 
     # Eager gets its own module and inputs (a model may update an input in place).
-    eager_module = copy.deepcopy(module).train()
+    eager_module = unwrap(copy.deepcopy(module)).train()
     eager_inputs = own_copy(inputs)
     # Timing: alternate the two so drift on a busy machine hits both alike.
     for i in range(max(steps, 1)):
@@ -261,6 +261,7 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
             _sync(dev)
             sink.append(time.perf_counter() - t0)
 
+    unwrap(module)  # (the caller's model as it was)
     if check:
         # The model was checked against the plan by the wrap above.
         report.checks = check_gradients(program, model, steps=steps, device=device, seed=seed,
@@ -279,7 +280,7 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
     `.grad` handling: set to None, accumulated, zeroed in place."""
     _scalar_step(program)
     dev = torch.device(device)
-    base = copy.deepcopy(model.module).to(dev)
+    base = unwrap(copy.deepcopy(model.module)).to(dev)
     eager = copy.deepcopy(base)
     planned = wrap(copy.deepcopy(base), program, loss=model.loss, check_model=check_model)
     inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in model.inputs)
@@ -292,7 +293,7 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
     out: list[StepCheck] = []
     for step in range(steps):
         mode = step % 3
-        for m in (eager, planned.module):
+        for m in (eager, planned):
             if mode == 0:
                 m.zero_grad(set_to_none=True)
             elif mode == 2:
@@ -320,7 +321,7 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
             if not same and (not worst or math.isnan(rel) or rel > worst_rel):
                 worst, worst_rel = name, rel
 
-        pairs = [(name, a, b) for (name, a), b in zip(eager.named_parameters(), planned.module.parameters())]
+        pairs = [(name, a, b) for (name, a), b in zip(eager.named_parameters(), planned.parameters())]
         pairs += grad_inputs
         for name, a, b in pairs:
             if (a.grad is None) != (b.grad is None):
@@ -336,7 +337,7 @@ def check_gradients(program: Program, model: LoadedModel, *, steps: int = 3, dev
                 diff = float("inf")
             elif a.grad.numel() and not same:
                 diff = max(diff, (a.grad.double() - b.grad.double()).abs().max().item())
-        for (name, a), b in zip(eager.named_buffers(), planned.module.buffers()):
+        for (name, a), b in zip(eager.named_buffers(), planned.buffers()):
             differs(f"buffer {name}", *_close(b, a))
         for (name, a, b) in zip(names, eager_inputs, plan_inputs):
             if isinstance(a, torch.Tensor):  # updated in place differently?

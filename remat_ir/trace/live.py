@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, is_dataclass
 import torch
 from torch.nn.modules import module as _nn
 
-__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "snapshot", "watching"]
+__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "snapshot", "tracing", "watching"]
 
 # The attributes every nn.Module has (hook dicts, _parameters, training...):
 # the module's own machinery, watched by ModelGuard and LiveGuard directly.
@@ -131,6 +131,11 @@ _RANDOM_ADVICE = (": a plan replays torch's generator only; draw with torch (tor
                   "instead")
 _current: list[_Watch] = []
 _recorders: dict[type, type] = {}
+
+
+def tracing() -> bool:
+    """Whether a step is being traced (and watched) now."""
+    return bool(_current)
 
 
 def _recorder(cls: type) -> type:
