@@ -173,7 +173,10 @@ def test_trainer_bf16_trains_the_wrapped_model_as_the_model(tmp_path, monkeypatc
     eager, _ = train(False)
     assert _same(model, eager)
     assert not _same(model, _llama(transformers))  # it trained
-    assert [r.program.header.autocast for r in remat_ir.planner(wrapper).plans.values()] == ["cpu:bfloat16"]
+    # accelerate patches the model's own forward with its autocast (the model is adopted in place, so
+    # that forward is what the step traces): the casts are inside the traced step.
+    (runner,) = remat_ir.planner(wrapper).plans.values()
+    assert any(v.dtype == "bfloat16" for v in runner.program.values)
 
 
 def test_remat_compile_autocast_and_remat_run(tmp_path, capsys):
