@@ -37,6 +37,7 @@ explicitly does not.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -179,10 +180,12 @@ class AutoRemat(WrappedModule):
         self._seen: dict[str, list[list[int]]] = {}  # shape class -> the largest size of each input dimension
         self.solves = 0  # optimizer runs so far (a plan from the cache is not one)
         self._reads: list = []  # what the traces of the plans in memory read of the model's Python state
+        self._eager: set = set()  # call structures whose steps train nothing (run eagerly)
 
     def step(self, call):
         guard, live = self.__dict__.get("_model_guard"), self.__dict__.get("_live_guard")
-        if self.plans and guard is not None:
+        eager = self.__dict__.setdefault("_eager", set())
+        if (self.plans or eager) and guard is not None:
             changed = guard.changes(self.module) or (live.changes(self.module) if live is not None else [])
             if changed:
                 # The plans were made from the model as it was: plan it as it is now.
@@ -190,20 +193,33 @@ class AutoRemat(WrappedModule):
                 print(f"remat-ir: {'; '.join(changed[:3])}{more} since the plans for "
                       f"{type(self.module).__name__} were made: planning it again", file=sys.stderr)
                 self.plans.clear()
+                eager.clear()
                 self._reads = []
         # Calls of one structure (a symbolic plan: of one shape class) share a
         # plan unless the model's code decides on their values (an all-ones mask
         # or not): then each decision has its own, keyed by its guards.
         structure, shape_class = call.structure(), call.shape_class()
+        if structure in eager:
+            return self._eager_step(call)
         self._note_sizes(shape_class, call)
         key, runner = self._serving(call)
         if runner is None:
             # Planning is not part of the step: a dispatch mode the caller has on
             # (a memory tracker, a FLOP counter) does not see its fake tensors.
             from torch.utils._python_dispatch import _disable_current_modes
+            from remat_ir.trace.tracer import NothingToTrain
 
-            with _disable_current_modes():
-                runner = self._grown(call, shape_class) or self._plan(call)
+            try:
+                with _disable_current_modes():
+                    runner = self._grown(call, shape_class) or self._plan(call)
+            except NothingToTrain as e:
+                # (peft's disable_adapter(), every parameter frozen: no backward to plan)
+                print(f"remat-ir: {type(self.module).__name__}'s step trains nothing ({e}); such calls run "
+                      "eagerly", file=sys.stderr)
+                eager.add(structure)
+                self._model_guard = ModelGuard(self.module)
+                self._live_guard = LiveGuard(self._reads, self.module)  # (a change plans them again)
+                return self._eager_step(call)
             if not self.plans or guard is None:
                 self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
             self._live_guard = LiveGuard(self._reads, self.module)  # and what their traces read
@@ -219,6 +235,12 @@ class AutoRemat(WrappedModule):
                 self._traced.pop(id(self.plans.popitem(last=False)[1]), None)
         self.plans.move_to_end(key)
         return runner.run(self.module, call, guards_checked=True)
+
+    def _eager_step(self, call):
+        from remat_ir.runtime.interpret import eager_step
+
+        args, kwargs = call.rebuild(call.tensors)
+        return eager_step(self.module, self.loss_fn, args, kwargs)
 
     def plan_of(self, *args, **kwargs):
         """The plan a training call with these arguments ran by, as a program
@@ -374,7 +396,8 @@ class AutoRemat(WrappedModule):
                          for n, t in zip(call.names, call.tensors))
         budget = "no budget" if o["budget"] is None else f"budget {o['budget']} ({o['scope']})"
         with _Progress(f"remat-ir: planning {type(self.module).__name__} for {what or 'no tensors'}, "
-                       f"{budget}{', autocast ' + call.autocast if call.autocast else ''}") as progress:
+                       f"{budget}{', autocast ' + call.autocast if call.autocast else ''}") as progress, \
+                contextlib.ExitStack() as locks:
             args, kwargs = call.rebuild(call.tensors)
             trace = dict(loss=self.loss_fn, optimizer=o["optimizer"], cost=o["cost"], autocast=call.autocast,
                          as_called=True, live=self.__dict__.setdefault("_reads", []))
@@ -397,6 +420,7 @@ class AutoRemat(WrappedModule):
             path = cached = None
             if self.cache_plans:
                 path = self._path(program)
+                locks.enter_context(_planning_lock(path))
                 cached = _load_cached(path, program, o)
             if cached is not None:
                 # The fingerprint matched the step just traced, so no retrace; verified again
@@ -428,6 +452,8 @@ class AutoRemat(WrappedModule):
                 traced = None
                 program = pipeline.trace(self.module, args, kwargs, **trace)
                 path = self._path(program) if self.cache_plans else None
+                if path is not None:
+                    locks.enter_context(_planning_lock(path))
                 cached = _load_cached(path, program, o) if path is not None else None
                 if cached is not None:
                     return PlanRunner(self.module, cached, self.loss_fn, check_model=False)
@@ -530,6 +556,58 @@ def _cache_mismatch(cached, traced, options: dict) -> str | None:
     if cached.cost != traced.cost:
         return f"made for cost model {cached.cost}, asked {traced.cost}"
     return None
+
+
+def _lock_timeout() -> float:
+    try:
+        return float(os.environ.get("REMAT_IR_LOCK_TIMEOUT", "1800"))
+    except ValueError:
+        return 1800.0
+
+
+@contextlib.contextmanager
+def _planning_lock(path: Path):
+    """Held while a step is looked up in the cache, planned and stored: the
+    processes that plan the same step (the ranks of one job, two scripts
+    sharing the cache) take turns, so the first plans and the others read its
+    plan.  An advisory lock on `<plan>.lock` (POSIX `flock`, released when its
+    holder exits, even by a crash); a process that has waited
+    `$REMAT_IR_LOCK_TIMEOUT` seconds (default 1800) says so and plans on its
+    own.  Where no lock can be taken (no `fcntl`, a read-only cache), each
+    process plans."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        start, said, timeout = time.monotonic(), False, _lock_timeout()
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                waited = time.monotonic() - start
+                if waited > timeout:
+                    print(f"remat-ir: waited {waited:.0f} s for another process planning this step (lock "
+                          f"{f.name}); planning it here (REMAT_IR_LOCK_TIMEOUT sets the wait)", file=sys.stderr)
+                    yield
+                    return
+                if not said:
+                    print(f"remat-ir: another process is planning this step (lock {f.name}); waiting for its "
+                          "plan", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _store(path: Path, plan) -> None:

@@ -43,6 +43,7 @@ SLOW = frozenset({
     'tests/test_fidelity.py::test_a_changed_step_is_found',
     'tests/test_fidelity.py::test_a_mask_decision_is_a_guard',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[bart]',
+    'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[convnext]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[llama-lora]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[llama-padded]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[llama]',

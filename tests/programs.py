@@ -30,6 +30,7 @@ from remat_ir.ir import (
     BACKWARD, BUFFER, DTYPE_BYTES, FORWARD, GRAD, INPUT, PARAM, RESULT, TANGENT, VALUE, Header,
     Node, Output, Program, Ref, Seq, Value, contiguous_stride, from_msgpack, to_msgpack,
 )
+from remat_ir.ir.ops import fake_kernels
 from remat_ir.ir.schedule import default_schedule
 
 DIMS = (4, 8, 16, 32)
@@ -124,7 +125,7 @@ class _Builder:
                 return [conv(x) for x in a.items]
             return a
 
-        with self.mode:
+        with self.mode, fake_kernels("cpu"):  # the tracer's fake kernels, with eager's strides
             got = _resolve(op)(*[conv(a) for a in args])
         got = list(got) if isinstance(got, (tuple, list)) else [got]
         outs = [self._declare(b, VALUE, t) if b is not None else "" for b, t in zip(out_bases, got)]

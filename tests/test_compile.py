@@ -108,7 +108,7 @@ def test_compiled_plan_wrap_trains_as_uncompiled_and_eval_calls_are_compiled(cac
     auto = remat_ir.wrap(plain, budget=0.6)
     batches = [(idx, targets)] * 2
     g_plain = _train(auto, list(plain.parameters()), batches)
-    plan = next(iter(auto.plans.values())).program
+    plan = next(iter(remat_ir.planner(auto).plans.values())).program
     backend, graphs = _counting("aot_eager")
     compiled = torch.compile(remat_ir.wrap(module, plan), backend=backend)
     g_comp = _train(compiled, list(module.parameters()), batches)

@@ -17,13 +17,15 @@ from remat_ir.models.families import FAMILIES  # noqa: E402
 from remat_ir.side_by_side import train_side_by_side  # noqa: E402
 from remat_ir.trace.fidelity import compare  # noqa: E402
 
-FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "t5", "bart", "vit", "clip"]
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "t5", "bart", "vit", "clip", "convnext"]
+# Families that need a package the `test` extra does not install.
+NEEDS = {"llama-lora": "peft", "convnext": "timm"}
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_family_traces_and_trains_as_eager(name):
-    if name == "llama-lora":
-        pytest.importorskip("peft")
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name], exc_type=ImportError)  # timm without torchvision fails to import
     model, kwargs = FAMILIES[name]()
     f = compare(model, (), kwargs)
     assert f.same, f.difference
@@ -78,3 +80,25 @@ def test_guards_never_run_plan_text():
     g = Guard("aten._local_scalar_dense.default(aten.all.default(aten.eq.Scalar(input('m'), 1))) == True")
     assert g.expr(lambda kind, name: torch.ones(3)) is True
     assert g.expr(lambda kind, name: torch.zeros(3)) is False
+
+
+def test_strides_that_sizes_of_one_leave_ambiguous_are_eager_s():
+    """At 1 x 1 a channels-last tensor is contiguous too: eager's GELU returns
+    it with contiguous strides, the next conv keeps them, and the pooling to
+    1 x 1 does not restride its result; the trace must take the same path
+    (timm's ConvNeXt head on 32 x 32 images; no timm needed here)."""
+
+    class Head(torch.nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.down, self.fc = torch.nn.Conv2d(c, c, 2, stride=2), torch.nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            x = self.down(x.permute(0, 3, 1, 2))  # channels-last strides, 2 x 2 -> 1 x 1
+            x = self.fc(torch.nn.functional.gelu(x))
+            return torch.nn.functional.adaptive_avg_pool2d(x, 1).sum()
+
+    torch.manual_seed(0)
+    f = compare(Head(), (torch.randn(2, 2, 2, 8),))
+    assert f.same, f.difference
+    assert "aten.as_strided_.default" not in f.traced

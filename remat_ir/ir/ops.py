@@ -284,13 +284,113 @@ def autocast_off(device_types=("cpu", "cuda")):
         yield
 
 
+def _fast_setup_strides(func, args, kwargs, outs):
+    """The strides eager's TensorIterator gives the results of the pointwise
+    op `func` where its "fast setup" applies, else None.  When every operand
+    has the results' shape (a Python number in a Tensor argument is a 0-dim
+    operand, so none does then) and all are contiguous, the results are
+    allocated contiguous; all channels-last: channels-last; all dense with
+    one set of strides: those strides.  Fake tensors' meta functions (the
+    Python refs') tell these cases apart otherwise where sizes of 1 make
+    strides ambiguous: a (N, C, 1, 1) tensor with channels-last strides
+    (C, 1, C, C) is contiguous too, and eager's GELU of it has strides (C, 1,
+    1, 1) where the meta function keeps (C, 1, C, C).  Code that branches on
+    strides then takes another path in the trace (`adaptive_avg_pool2d` to
+    1 x 1 restrides its result with `as_strided_` when its input "suggests"
+    channels-last: timm's ConvNeXt on 32 x 32 images)."""
+    if torch.Tag.pointwise not in func.tags and func not in _ITERATOR or func._schema.is_mutable \
+            or func in _NOT_ITERATOR:
+        return None
+    arguments = func._schema.arguments
+    if func._overloadname.startswith("Scalar") and hasattr(func.overloadpacket, "Tensor") and sum(
+            isinstance(a.type, torch.TensorType) for a in arguments) == 1:
+        return None  # `mul.Scalar`, `gt.Scalar`: the number is a 0-dim operand, as in `mul.Tensor`
+    shape = outs[0].shape
+    ins = []
+    for a, v in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
+                                                          func._schema.arguments[len(args):]]):
+        tensor_arg = isinstance(a.type, torch.TensorType) or isinstance(a.type, torch.OptionalType) and \
+            isinstance(a.type.getElementType(), torch.TensorType)
+        if isinstance(v, torch.Tensor):
+            ins.append(v)
+        elif tensor_arg and v is not None:  # a number: a 0-dim operand
+            return None
+    if not ins or any(t.shape != shape for t in ins + outs) or any(t.layout != torch.strided for t in ins):
+        return None
+    if all(t.is_contiguous() for t in ins):
+        return torch._prims_common.make_contiguous_strides_for(shape)
+    if len(shape) in (4, 5):
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        if all(t.is_contiguous(memory_format=fmt) for t in ins):
+            return torch._prims_common.make_channels_last_strides_for(shape)
+    if all(torch._prims_common.is_non_overlapping_and_dense_or_false(t) and t.stride() == ins[0].stride() for t in ins):
+        return ins[0].stride()
+    return None
+
+
+# Pointwise ops whose eager kernel allocates with `empty_like` (the input's
+# strides), not through TensorIterator's fast setup; and ops whose results are
+# contiguous whatever the input's layout (`masked_fill`: a contiguous clone
+# filled in place; layer norm's, where its meta function keeps the strides of
+# an input that is contiguous but strided otherwise, as sizes of 1 allow).
+_NOT_ITERATOR = {torch.ops.aten.hardtanh.default, torch.ops.aten.fill.Scalar, torch.ops.aten.fill.Tensor,
+                 torch.ops.aten.clone.default, torch.ops.aten.nan_to_num.default}
+# TensorIterator ops that are not tagged pointwise.
+_ITERATOR = {getattr(torch.ops.aten, name).default for name in (
+    "hardswish", "hardswish_backward", "hardsigmoid_backward", "leaky_relu_backward", "elu_backward",
+    "hardtanh_backward", "softplus_backward", "softshrink_backward", "threshold", "mish_backward")}
+_CONTIGUOUS = {torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill.Tensor, torch.ops.aten.pow.Scalar,
+               torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_layer_norm_backward.default}
+
+
+@contextlib.contextmanager
+def _eager_strides():
+    """Fake tensors' results with the strides eager gives them: pointwise
+    ops' (`_fast_setup_strides`), and those of the ops in `_CONTIGUOUS`.  The
+    results are restrided inside FakeTensorMode's dispatch, below make_fx's
+    tracing mode, so a trace records the op alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dispatch = FakeTensorMode.dispatch
+
+    def eager_strided(mode, func, types, args=(), kwargs=None):
+        out = dispatch(mode, func, types, args, kwargs)
+        kwargs = kwargs or {}
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs or func._schema.is_mutable or func.is_view:
+            return out
+        ins = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        strides = None if func in _CONTIGUOUS else _fast_setup_strides(func, args, kwargs, outs)
+        for t in outs:
+            want = strides
+            if func in _CONTIGUOUS and t.layout == torch.strided and \
+                    torch._prims_common.is_non_overlapping_and_dense_or_false(t):
+                want = torch._prims_common.make_contiguous_strides_for(t.shape)
+            if want is not None and id(t) not in ins and tuple(t.stride()) != tuple(want):
+                t.as_strided_(t.shape, want)  # a fresh result: its storage holds it either way
+        return out
+
+    FakeTensorMode.dispatch = eager_strided
+    try:
+        yield
+    finally:
+        FakeTensorMode.dispatch = dispatch
+
+
 @contextlib.contextmanager
 def fake_kernels(device_type: str):
     """Fake kernels for ops whose meta function refuses what the device's
     kernel runs: `aten._grouped_mm`'s (written for CUDA) takes bfloat16
     only, where the CPU kernel takes any float (transformers' MoE experts in
     float32 run it).  The shapes come from the meta function itself, asked
-    in bfloat16; the dtype is the operands'."""
+    in bfloat16; the dtype is the operands'.  Results get the strides eager
+    gives them where sizes of 1 leave them ambiguous (`_eager_strides`)."""
+    with _eager_strides(), _grouped_mm_kernel(device_type):
+        yield
+
+
+@contextlib.contextmanager
+def _grouped_mm_kernel(device_type: str):
     if device_type != "cpu" or not hasattr(torch.ops.aten, "_grouped_mm"):
         yield
         return

@@ -5,7 +5,8 @@ small config (random weights, nothing downloaded) and the keyword arguments
 of a training call (ids, masks, labels), so that ``model(**kwargs).loss`` is
 the step's loss.  The tests and ``tools/fidelity.py`` train each through
 ``remat_ir.wrap`` against eager.  Needs ``transformers`` (and ``peft`` for
-``llama-lora``), which the ``test`` extra installs.
+``llama-lora``), which the ``test`` extra installs, and ``timm`` for
+``convnext`` (its tests skip without it).
 """
 from __future__ import annotations
 
@@ -144,6 +145,38 @@ def clip(seed: int = 0):
                    "pixel_values": torch.randn(3, 3, 32, 32, generator=g), "return_loss": True}
 
 
+class _Classifier(torch.nn.Module):
+    """An image classifier that returns logits (timm's), called as
+    transformers' are: `model(pixel_values=..., labels=...).loss`."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values, labels=None):
+        from transformers.modeling_outputs import ImageClassifierOutput
+
+        logits = self.net(pixel_values)
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
+def convnext(seed: int = 0):
+    """A convolutional classifier (timm's ConvNeXt-atto, 16 to 64 channels,
+    stochastic depth 0.1) on 32 x 32 images: its last stage runs at 1 x 1,
+    where NCHW and channels-last strides coincide and eager's kernels, not
+    the trace's, pick the layout that its pooling head branches on.  Needs
+    `timm` (which imports torchvision)."""
+    import timm
+
+    torch.manual_seed(seed)
+    net = timm.create_model("convnext_atto", pretrained=False, num_classes=10, dims=(16, 32, 48, 64),
+                            drop_path_rate=0.1)
+    g = torch.Generator().manual_seed(seed)
+    return _Classifier(net), {"pixel_values": torch.randn(_BATCH, 3, 32, 32, generator=g),
+                              "labels": torch.randint(0, 10, (_BATCH,), generator=g)}
+
+
 FAMILIES: dict[str, Callable] = {
     "llama": llama,
     "llama-padded": lambda seed=0: llama(seed, padded=True),
@@ -154,4 +187,5 @@ FAMILIES: dict[str, Callable] = {
     "bart": bart,
     "vit": vit,
     "clip": clip,
+    "convnext": convnext,
 }

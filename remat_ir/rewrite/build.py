@@ -12,7 +12,7 @@ import torch
 
 from remat_ir.ir import VALUE, Node, Output, Program, Value, node_inputs
 from remat_ir.ir.fingerprint import fingerprint
-from remat_ir.ir.ops import autocast_off, resolve, torch_arg
+from remat_ir.ir.ops import autocast_off, fake_kernels, resolve, torch_arg
 from remat_ir.ir.schedule import default_schedule
 
 __all__ = ["GraphEdit", "matmul_flops", "without_dead_views"]
@@ -30,6 +30,12 @@ class GraphEdit:
         self.fakes: dict[str, torch.Tensor] = {}
         self.owners: dict[int, str] = {}  # a fake storage -> the value that owns it
         self.taken = set(self.values) | {n.name for n in program.nodes}
+
+    def _device_type(self) -> str:
+        try:
+            return torch.device(self.program.header.device).type
+        except (RuntimeError, TypeError):
+            return "cpu"
 
     def unique(self, base: str) -> str:
         name, k = base, 1
@@ -68,7 +74,7 @@ class GraphEdit:
         name = self.unique(base)
         # (The op as written: an autocast the caller is in, wrap's first call
         # or its model check, must not cast it.)
-        with autocast_off(), self.mode:
+        with autocast_off(), self.mode, fake_kernels(self._device_type()):  # as the tracer and checker run it
             out = resolve(op)(*[torch_arg(a, self.fake) for a in args])
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         names = [name] if len(outs) == 1 else [self.unique(f"{name}:{k}") for k in range(len(outs))]

@@ -333,7 +333,7 @@ def _unit_param_bytes(unit, inner_ids) -> tuple[int, int]:
     return full, flat
 
 
-def predict_step_peak(wrapper: FSDPRemat, *args, grads: bool = True, **kwargs) -> StepPrediction:
+def predict_step_peak(wrapper, *args, grads: bool = True, **kwargs) -> StepPrediction:
     """One rank's memory during a training step of the wrapped sharded model
     on `args`/`kwargs`, as the storage tracker measures it on CPU: the state
     (`state_bytes`) and the peak above it.  `grads`: whether the sharded
@@ -350,8 +350,11 @@ def predict_step_peak(wrapper: FSDPRemat, *args, grads: bool = True, **kwargs) -
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from remat_ir.check.simulate import simulate
+    from remat_ir.runtime.interpret import planner
     from remat_ir.trace.tracer import trace_module
 
+    if planner(wrapper) is not None:  # (the adopted model: its planner)
+        wrapper = planner(wrapper)
     root = wrapper.module
     mode = FakeTensorMode()
     rprog = trace_module(_root_twin(wrapper, mode), args, kwargs=kwargs, loss_fn=wrapper.loss_fn, fake=True,

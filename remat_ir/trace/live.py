@@ -226,9 +226,9 @@ def _set_random(state) -> None:
 @contextlib.contextmanager
 def watching(model: torch.nn.Module, reads: list | None = None):
     """Watch a trace of `model` (see the module's docstring).  On leaving,
-    the model is as it was; `NotReplayable` is raised naming the first
-    thing the step did that a plan cannot replay; else the `LiveReads` is
-    appended to `reads` when given."""
+    the model is as it was and the `LiveReads` is appended to `reads` when
+    given; `NotReplayable` is raised naming the first thing the step did that
+    a plan cannot replay."""
     w = _Watch(model)
     swapped: list[tuple] = []
     hooks: list[tuple] = []
@@ -293,6 +293,12 @@ def watching(model: torch.nn.Module, reads: list | None = None):
                 w.problems.append("the step draws from " + ("Python's random" if not py else
                                                             "NumPy's global random generator") + _RANDOM_ADVICE)
             _set_random(start)
+        for cfg, path, via in w.configs.values():
+            for k, v in vars(cfg).items():
+                if guardable(v):
+                    w.reads.note(path, via, k, v)
+        if reads is not None:  # (a trace that failed read them too: what to watch for a change)
+            reads.append(w.reads)
     if failed:
         return
     problems = list(w.problems)
@@ -308,12 +314,6 @@ def watching(model: torch.nn.Module, reads: list | None = None):
             problems.append(f"{kept} keeps the tensors it sees{_HOOK_ADVICE}")
     if problems:
         raise NotReplayable(problems[0])
-    for cfg, path, via in w.configs.values():
-        for k, v in vars(cfg).items():
-            if guardable(v):
-                w.reads.note(path, via, k, v)
-    if reads is not None:
-        reads.append(w.reads)
 
 
 def _short(v) -> str:

@@ -122,11 +122,16 @@ class Symbolic:
             if e not in self.names:
                 raise SymbolicError(f"the size {e} is not one of the call's dimensions")
             return self.names[e]
+        # Operands of + * max min in one order whatever order sympy holds them in (it
+        # sorts by its own symbol names, s0, s1, ..., which depend on earlier traces):
+        # numbers first, then by text, so one step prints one way in any process.
         if isinstance(e, sympy.Add):  # terms with a minus sign last, as subtractions: T-1, not (-1)+T
-            plus = [self._text(a) for a in e.args if not a.could_extract_minus_sign()]
-            minus = [self._text(-a) for a in e.args if a.could_extract_minus_sign()]
+            plus = sorted((self._text(a) for a in e.args if not a.could_extract_minus_sign()), key=_order)
+            minus = sorted((self._text(-a) for a in e.args if a.could_extract_minus_sign()), key=_order)
             return "(" + ("+".join(plus) or "0") + "".join(f"-{m}" for m in minus) + ")"
         args = [self._text(a) for a in e.args]
+        if isinstance(e, (sympy.Mul, sympy.Max, sympy.Min)) or type(e).__name__ in ("Max", "Min"):
+            args.sort(key=_order)
         if isinstance(e, sympy.Mul):
             return "(" + "*".join(args) + ")"
         if isinstance(e, sympy.Pow) and e.args[1].is_Integer and int(e.args[1]) >= 1:
@@ -159,7 +164,10 @@ class Symbolic:
             op = next((o for k, o in ops.items() if isinstance(p, k)), None)
             if op is None:
                 raise SymbolicError(f"the traced code assumed {p} of the sizes, which a plan cannot state")
-            out.append(f"{sz.size_text(self._text(p.lhs))} {op} {sz.size_text(self._text(p.rhs))}")
+            lhs, rhs = sz.size_text(self._text(p.lhs)), sz.size_text(self._text(p.rhs))
+            if op in ("==", "!=") and _order(lhs) < _order(rhs):  # (symmetric: the sizes first)
+                lhs, rhs = rhs, lhs
+            out.append(f"{lhs} {op} {rhs}")
         return " and ".join(out)
 
     def header(self) -> tuple[list[str], list[str]]:
@@ -185,3 +193,9 @@ class Symbolic:
         for r in ranges:
             seen.setdefault(r, None)
         return list(seen), guards
+
+
+def _order(text: str) -> tuple:
+    """Where an operand's text goes among its siblings: numbers first (by value), then by text."""
+    t = text.strip("()")
+    return (0, int(t), "") if t.isdigit() else (1, 0, text)

@@ -39,6 +39,11 @@ class TraceError(ValueError):
     """The model cannot be traced into a program; the message says why and what to do."""
 
 
+class NothingToTrain(TraceError):
+    """No result of the step requires grad (every parameter it uses frozen,
+    peft's `disable_adapter()`): there is no backward to plan."""
+
+
 class NotReplayableError(TraceError):
     """The step does what a plan cannot replay (`remat_ir.trace.live`): at any sizes, in any trace."""
 
@@ -223,7 +228,7 @@ def _trace(module, call, loss_fn, model_name, fake, device=None, fuse=True, neut
                              "(a tensor, or a tuple/list/dict of tensors)")
     diff = [i for i, o in enumerate(flat_probe) if o.requires_grad]
     if not diff:
-        raise TraceError("no forward result requires grad: nothing to train")
+        raise NothingToTrain("no forward result requires grad: nothing to train")
     with mode:
         f_tangents = [torch.ones_like(flat_probe[i]) for i in diff]
     del probe, flat_probe
