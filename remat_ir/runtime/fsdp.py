@@ -107,7 +107,8 @@ def planned_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def _plain_class(unit: torch.nn.Module) -> type:
     cls = _fsdp_module_class()
-    return next(c for c in type(unit).__mro__ if not issubclass(c, cls))
+    # (past FSDP<Class> and, on an adopted root, its remat-ir mixin: the model's own class)
+    return next(c for c in type(unit).__mro__ if not issubclass(c, cls) and issubclass(c, torch.nn.Module))
 
 
 def plain_twin(unit: torch.nn.Module) -> torch.nn.Module:
