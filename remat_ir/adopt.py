@@ -199,7 +199,7 @@ class AutoRemat(WrappedModule):
         # plan unless the model's code decides on their values (an all-ones mask
         # or not): then each decision has its own, keyed by its guards.
         structure, shape_class = call.structure(), call.shape_class()
-        if structure in eager:
+        if structure in eager or shape_class in eager:
             return self._eager_step(call)
         self._note_sizes(shape_class, call)
         key, runner = self._serving(call)
@@ -212,11 +212,18 @@ class AutoRemat(WrappedModule):
             try:
                 with _disable_current_modes():
                     runner = self._grown(call, shape_class) or self._plan(call)
-            except NothingToTrain as e:
-                # (peft's disable_adapter(), every parameter frozen: no backward to plan)
-                print(f"remat-ir: {type(self.module).__name__}'s step trains nothing ({e}); such calls run "
-                      "eagerly", file=sys.stderr)
-                eager.add(structure)
+            except Exception as e:  # noqa: BLE001 - only the two kinds below are caught
+                if isinstance(e, NothingToTrain):
+                    # (peft's disable_adapter(), every parameter frozen: no backward to plan)
+                    why = f"{type(self.module).__name__}'s step trains nothing ({e})"
+                elif _internal(e):
+                    # A step the planner gets wrong must not stop the training loop: said, and run as eager does.
+                    why = (f"cannot plan {type(self.module).__name__}'s step ({str(e).splitlines()[-1]}; "
+                           "please report it)")
+                else:
+                    raise
+                print(f"remat-ir: {why}; such calls run eagerly", file=sys.stderr)
+                eager.update((structure, shape_class))
                 self._model_guard = ModelGuard(self.module)
                 self._live_guard = LiveGuard(self._reads, self.module)  # (a change plans them again)
                 return self._eager_step(call)
@@ -497,6 +504,16 @@ class AutoRemat(WrappedModule):
         facts = {"fingerprint": _class_fingerprint(program), "torch": torch.__version__,
                  "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _internal(e: Exception) -> bool:
+    """Whether planning failed on the planner's side (a plan that does not
+    verify, a schedule the simulator refuses), not on the user's (a budget
+    below the floor, a model that cannot be traced)."""
+    from remat_ir import pipeline
+
+    chain = [e, e.__cause__]
+    return any(type(x).__name__ == "SimulationError" for x in chain) or isinstance(e, pipeline.UnsoundPlan)
 
 
 def _class_fingerprint(program) -> str:

@@ -260,3 +260,91 @@ def test_ranks_plan_a_step_once(tmp_path):
     solves = sorted(int(o.split()[1]) for o, _ in outs)
     assert solves == [0, 1], outs
     assert sum("another process is planning this step" in e for _, e in outs) == 1
+
+
+def _sft(wrapped: bool):
+    """Four SFTTrainer steps of a tiny Llama (a word-level tokenizer built in
+    place), wrapped at 0.6 or not; the model."""
+    import transformers
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {f"w{i}": i for i in range(96)} | {"<pad>": 96, "<eos>": 97}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(0, 96, (int(n),), generator=g))
+             for n in torch.randint(6, 20, (16,), generator=g)]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=98, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=96, eos_token_id=97))
+    if wrapped:
+        model = remat_ir.wrap(model, budget=0.6)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, seed=0,
+                         use_cpu=True, report_to="none", save_strategy="no", dataloader_num_workers=0,
+                         disable_tqdm=True, logging_steps=100, max_length=32)
+        SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                   processing_class=tokenizer).train()
+    return model
+
+
+@pytest.mark.slow
+def test_sft_trainer_trains_as_eager_saying_how(tmp_path, monkeypatch, capsys):
+    """trl's SFTTrainer computes the loss with its own chunked LM head, which
+    writes the head's gradient in place chunk by chunk (`mm(..., out=rows)`):
+    the plan is traced from that forward (the adopted model's own), and
+    where the planner cannot schedule it, the step runs eagerly and says so
+    in one line, never silently and never an exception."""
+    pytest.importorskip("trl")
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    wrapped, eager = _sft(True), _sft(False)
+    assert all(torch.equal(p, q) for p, q in zip(wrapped.parameters(), eager.parameters()))
+    err = capsys.readouterr().err
+    planned = remat_ir.planner(wrapped).plans
+    assert planned or err.count("such calls run eagerly") == 1, err
+
+
+def test_lightning_checkpoints_load_across_wrapped_and_unwrapped(tmp_path, monkeypatch):
+    L = pytest.importorskip("lightning.pytorch")
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path / "cache"))
+
+    class Module(L.LightningModule):
+        def __init__(self, wrapped: bool = False):
+            super().__init__()
+            self.wrapped = wrapped
+            torch.manual_seed(0)
+            self.net = Net()
+
+        def configure_model(self):  # Lightning's hook for setting the model up
+            if self.wrapped:
+                remat_ir.wrap(self.net)
+
+        def training_step(self, batch, _):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=4)
+    kw = dict(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, default_root_dir=str(tmp_path))
+    runs = {}
+    for wrapped in (True, False):
+        m = Module(wrapped)
+        trainer = L.Trainer(**kw)
+        torch.manual_seed(1)
+        trainer.fit(m, data)
+        trainer.save_checkpoint(tmp_path / f"{wrapped}.ckpt")
+        runs[wrapped] = m
+    assert type(runs[True].net) is not Net and isinstance(runs[True].net, Net)  # adopted, and trained by its plan
+    assert remat_ir.planner(runs[True].net).plans
+    assert all(torch.equal(p, q) for p, q in zip(runs[True].parameters(), runs[False].parameters()))
+    for written in (True, False):
+        loaded = Module.load_from_checkpoint(tmp_path / f"{written}.ckpt", wrapped=not written, strict=True)
+        assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), runs[written].parameters()))

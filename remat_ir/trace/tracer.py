@@ -315,7 +315,7 @@ def _drop_unused(gm) -> None:
             continue
         op = n.target
         if op is operator.getitem or isinstance(op, torch._ops.OpOverload) and not (
-                _is_random(op) or op._schema.is_mutable or _mutated_indices(n)):
+                _is_random(op) or op._schema.is_mutable or _mutated_args(n)):
             gm.graph.erase_node(n)
 
 
@@ -580,7 +580,7 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     for n in calls:
         if n in depends_on_tangent:
             continue
-        if _is_random(n.target) or _mutated_indices(n):
+        if _is_random(n.target) or _mutated_args(n):
             seeds.append(n)
     forward_set: set = set()
 
@@ -601,8 +601,8 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
     while True:
         last_write: dict[int, int] = {}
         for n in forward_set:
-            for i in _mutated_indices(n):
-                key = _storage_key(n.args[i])
+            for a in _mutated_args(n):
+                key = _storage_key(a)
                 if key != -1:
                     last_write[key] = max(last_write.get(key, -1), order[n])
         early = [n for n in calls if n not in forward_set and n not in depends_on_tangent
@@ -674,7 +674,7 @@ def _to_program(gm, params, buffers, inputs, in_names, trainable, grad_inputs, d
             name=name, op=_op_string(n.target), args=[_arg(a, fx_value_name, symbolic) for a in n.args],
             kwargs={k: _arg(a, fx_value_name, symbolic) for k, a in n.kwargs.items()}, outputs=outs, phase=phase,
             module=mod, random=_is_random(n.target),
-            mutates=[fx_value_name[(n.args[i], None)] for i in _mutated_indices(n)],
+            mutates=[fx_value_name[(a, None)] for a in _mutated_args(n)],
             flops=_flops(n, symbolic),
         ))
 
@@ -780,7 +780,11 @@ def _is_random(op) -> bool:
         torch.Tag.nondeterministic_seeded in op.tags or op in RANDOM_OPS)
 
 
-def _mutated_indices(n) -> list[int]:
+def _mutated_args(n) -> list:
+    """The fx nodes `n` writes in place: its arguments the schema marks
+    written (`Tensor(a!)`), positional or keyword (`out=` of an `.out`
+    overload: trl's chunked loss writes `mm(..., out=rows)`), and those of
+    the ops whose schemas hide a write (`HIDDEN_MUTATORS`)."""
     op = n.target
     if not isinstance(op, torch._ops.OpOverload):
         return []
@@ -788,12 +792,14 @@ def _mutated_indices(n) -> list[int]:
     if key in HIDDEN_MUTATORS:
         flag, idx = HIDDEN_MUTATORS[key]
         training = True if flag is None else n.args[flag] if len(n.args) > flag else False
-        return [i for i in idx if training and i < len(n.args) and isinstance(n.args[i], torch.fx.Node)]
+        return [n.args[i] for i in idx if training and i < len(n.args) and isinstance(n.args[i], torch.fx.Node)]
     out = []
     for i, a in enumerate(op._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write and i < len(n.args) \
-                and isinstance(n.args[i], torch.fx.Node):
-            out.append(i)
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        x = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+        if isinstance(x, torch.fx.Node):
+            out.append(x)
     return out
 
 
