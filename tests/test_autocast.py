@@ -236,6 +236,7 @@ def test_model_check_of_a_rewritten_plan_does_not_depend_on_the_callers_autocast
         remat_ir.wrap(copy.deepcopy(m.module), plan, loss=m.loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [None, 0.8])
 def test_per_step_gradients_under_autocast_are_eagers_bits(budget, tmp_path, monkeypatch):
     """Each step's gradients, not the parameters after an optimizer (whose

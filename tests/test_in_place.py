@@ -75,6 +75,7 @@ def _saved(m) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow
 def test_two_of_a_family_leave_one_cached_plan_each(tmp_path, monkeypatch):
     """A symbolic step prints its sizes in one canonical form (`B*T`, never
     `T*B`), whatever sympy's own symbol numbering after earlier traces."""
@@ -101,6 +102,7 @@ def test_two_of_a_family_leave_one_cached_plan_each(tmp_path, monkeypatch):
     assert [len(f) for f in files] == [1, 1, 2, 2] and files[0] == files[1] and files[2] == files[3], files
 
 
+@pytest.mark.slow
 def test_disable_adapter_runs_eagerly_with_a_line(tmp_path, monkeypatch, capsys):
     pytest.importorskip("peft")
     from remat_ir.models.families import FAMILIES
@@ -310,6 +312,7 @@ def test_sft_trainer_trains_as_eager_saying_how(tmp_path, monkeypatch, capsys):
     assert planned or err.count("such calls run eagerly") == 1, err
 
 
+@pytest.mark.slow
 def test_lightning_checkpoints_load_across_wrapped_and_unwrapped(tmp_path, monkeypatch):
     L = pytest.importorskip("lightning.pytorch")
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path / "cache"))

@@ -204,6 +204,7 @@ def test_guard_survives_pickling(tmp_path, monkeypatch):
     assert remat_ir.planner(wrapped)._live_guard.changes(model) == []
 
 
+@pytest.mark.slow
 def test_peft_set_scale_plans_again(tmp_path, monkeypatch, capsys):
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
@@ -267,6 +268,7 @@ def test_create_graph_through_a_plan_is_refused_at_the_grad_call(tmp_path, monke
     assert torch.equal(g, torch.autograd.grad(_loss(model(x), x), x)[0])
 
 
+@pytest.mark.slow
 def test_a_short_last_batch_below_its_floor_runs_by_its_floor_plan(tmp_path, monkeypatch, capsys):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
