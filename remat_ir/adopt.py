@@ -134,10 +134,10 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     # A budget or time limit that is no positive, finite amount fails here, not at the first step.
     pipeline.check_budget(budget)
     pipeline.check_time_limit(time_limit)
-    unwrap(model)  # wrapped again: the new options replace the old
     if _uses_fsdp(model):
         from remat_ir.runtime.fsdp import FSDPRemat
 
+        unwrap(model)  # wrapped again: the new options replace the old (a unit's forward included)
         return adopt(model, FSDPRemat(model, loss, unit_planner=AutoRemat, budget=budget, scope=scope,
                                       optimizer=optimizer, cost=cost, effort=effort, time_limit=time_limit,
                                       solver=solver, cache=cache, max_plans=max_plans))
@@ -592,15 +592,15 @@ def _planning_lock(path: Path):
     `$REMAT_IR_LOCK_TIMEOUT` seconds (default 1800) says so and plans on its
     own.  Where no lock can be taken (no `fcntl`, a read-only cache), each
     process plans."""
+    f = None
     try:
         import fcntl
-    except ImportError:
-        yield
-        return
-    try:
+
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path.with_name(path.name + ".lock"), "a")
-    except OSError:
+    except (ImportError, OSError):
+        pass
+    if f is None:
         yield
         return
     with f:
@@ -609,22 +609,26 @@ def _planning_lock(path: Path):
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except BlockingIOError:  # (held by another process; any other error: a file system without locks)
                 waited = time.monotonic() - start
                 if waited > timeout:
                     print(f"remat-ir: waited {waited:.0f} s for another process planning this step (lock "
                           f"{f.name}); planning it here (REMAT_IR_LOCK_TIMEOUT sets the wait)", file=sys.stderr)
-                    yield
-                    return
+                    break
                 if not said:
                     print(f"remat-ir: another process is planning this step (lock {f.name}); waiting for its "
                           "plan", file=sys.stderr, flush=True)
                     said = True
                 time.sleep(0.1)
+            except OSError:
+                break
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(f, fcntl.LOCK_UN)
+            except OSError:
+                pass
 
 
 def _store(path: Path, plan) -> None:
@@ -650,9 +654,11 @@ class _Progress:
 
     def _show(self):
         self.shown = True
-        print(f"{self.message} ...", file=sys.stderr, flush=True)
+        print(f"{self.message} ...", file=self.stream, flush=True)
 
     def __enter__(self):
+        # (the stream as it is now: the timer's thread must not write where a traced hook's output is caught)
+        self.stream = sys.stderr
         self.t0 = time.perf_counter()
         self.timer = threading.Timer(_PROGRESS_AFTER_S, self._show)
         self.timer.daemon = True
@@ -664,6 +670,6 @@ class _Progress:
         self.timer.join()
         if self.shown:
             done = "failed" if exc_type is not None else "done"
-            print(f"remat-ir: {done} in {time.perf_counter() - self.t0:.1f} s{self.note}", file=sys.stderr,
+            print(f"remat-ir: {done} in {time.perf_counter() - self.t0:.1f} s{self.note}", file=self.stream,
                   flush=True)
         return False

@@ -292,3 +292,45 @@ def test_a_short_last_batch_below_its_floor_runs_by_its_floor_plan(tmp_path, mon
     assert _equal(steps(wrapped), steps(eager))
     err = capsys.readouterr().err
     assert "cannot meet budget 0.8" in err and "runs by its floor plan" in err
+
+
+class Lengths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])  # a list changed in place: as a counter, it cannot be replayed
+        return self.fc(x)
+
+
+def test_a_container_changed_in_place_is_refused_and_put_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model = Lengths()
+    with pytest.raises(TraceError, match="changes its attribute seen in place"):
+        remat_ir.wrap(model)(torch.randn(2, 8))
+    assert model.seen == []
+
+
+def test_torch_s_own_hooks_neither_refused_nor_a_change(tmp_path, monkeypatch, capsys):
+    """A FLOP counter registers global hooks anew at each `with`; the old
+    weight_norm recomputes its weight in a pre-forward hook: both torch's own."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model, eager = [], []
+    for m in (model, eager):  # (a weight_norm module cannot be deep-copied: built twice)
+        torch.manual_seed(0)
+        m.append(Net())
+        torch.nn.utils.weight_norm(m[0].fc2)
+    model, eager = model[0], eager[0]
+    wrapped = remat_ir.wrap(model)
+    x = torch.randn(6, 8)
+    for m in (wrapped, eager):
+        for i in range(2):
+            torch.manual_seed(i)
+            with FlopCounterMode(display=False):
+                _loss(m(x), x).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()))
+    assert "planning it again" not in capsys.readouterr().err

@@ -502,7 +502,7 @@ class LiveGuard:
         self._eq_values = [v for _, v in self.entries if guardable(v)]
         self._same_ids = [id(v) for _, v in self.entries if not guardable(v)]
         self._hooks = hook_dicts(model)
-        self._hook_keys = [tuple(d) for _, _, d in self._hooks]
+        self._hook_keys = [_user_hooks(d) for _, _, d in self._hooks]
         self._bound = (eq, same)
 
     def changes(self, model: torch.nn.Module) -> list[str]:
@@ -512,7 +512,7 @@ class LiveGuard:
         eq, same = self._bound
         if [d.get(n, _ABSENT) for d, n in eq] == self._eq_values \
                 and [id(d.get(n, _ABSENT)) for d, n in same] == self._same_ids \
-                and [tuple(d) for _, _, d in self._hooks] == self._hook_keys:
+                and [_user_hooks(d) for _, _, d in self._hooks] == self._hook_keys:
             return []
         return self._describe()
 
@@ -540,11 +540,11 @@ class LiveGuard:
                 f"changed from {_brief(value)} to {_brief(now[i])}" if by_value else "was replaced")
             out.append(f"attribute {attr} of {owner} {got}")
         for (path, what, d), keys in zip(self._hooks, self._hook_keys):
-            if tuple(d) != keys:
+            if _user_hooks(d) != keys:
                 kind = what.removesuffix("s").replace("_", " ")
                 where = "a global " + kind if path is None else (
                     f"a {kind} of " + (f"submodule {path}" if path else "the model"))
-                added, removed = len(set(d) - set(keys)), len(set(keys) - set(d))
+                added, removed = len(set(_user_hooks(d)) - set(keys)), len(set(keys) - set(_user_hooks(d)))
                 out.append(f"{where} was " + ("added" if added and not removed else
                                               "removed" if removed and not added else "replaced"))
         return out or ["the model's live state changed"]
@@ -557,6 +557,16 @@ class LiveGuard:
 
 class _Rebind:
     """In a pickled LiveGuard: an object compared by identity, taken afresh from the model."""
+
+
+def _user_hooks(d: dict) -> tuple:
+    """The keys of a hook dict's hooks that are not torch's own (a FLOP
+    counter's or memory tracker's, registered anew at each `with`)."""
+    if not d:
+        return ()
+    from remat_ir.trace.live import _own
+
+    return tuple(k for k, fn in d.items() if not _own(fn))
 
 
 def _brief(v) -> str:

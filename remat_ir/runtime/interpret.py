@@ -580,7 +580,8 @@ class WrappedModule(torch.nn.Module):
                             f"pickled ({e}); save the model's state_dict() (or remat_ir.unwrap(model) first) "
                             "and wrap it again after loading") from None
         state = self.__dict__.copy()
-        state.pop("forward", None)
+        for k in ("forward", "_busy", "_in_eager"):  # (a copy made inside a step or eager() is not in one)
+            state.pop(k, None)
         return state
 
     def __setstate__(self, state):
@@ -595,7 +596,8 @@ class WrappedModule(torch.nn.Module):
 
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "forward"})
+        new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
+                          if k not in ("forward", "_busy", "_in_eager")})
         return new
 
 
@@ -630,10 +632,11 @@ class Adopted:
 
     def __call__(self, *args, **kwargs):
         planner = self.__dict__.get("_remat_ir")
-        # Its own forward also while remat-ir traces a step (the model called inside another one, compile()).
-        if planner is None or planner.__dict__.get("_busy") or tracing():
+        # Its own forward also while remat-ir traces a step (the model called inside another one,
+        # compile()), and on a shallow copy that shares the planner (DataParallel's replicas).
+        if planner is None or planner.__dict__.get("_busy") or tracing() or planner.module is not self:
             return super().__call__(*args, **kwargs)
-        if not runs_plan(self):  # (with the loss wrap() was given, as a training call)
+        if not runs_plan(self) or planner.__dict__.get("_in_eager"):  # (with the loss wrap() was given)
             return eager_step(super().__call__, planner.loss_fn, args, kwargs)
         return planner._planned_step(args, kwargs)
 
@@ -704,12 +707,12 @@ def eager(model: torch.nn.Module):
     steps included (a step to differentiate twice, a debugging run)."""
     p = planner(model)
     if p is not None:
-        p.__dict__["_busy"] = p.__dict__.get("_busy", 0) + 1
+        p.__dict__["_in_eager"] = p.__dict__.get("_in_eager", 0) + 1
     try:
         yield model
     finally:
         if p is not None:
-            p.__dict__["_busy"] -= 1
+            p.__dict__["_in_eager"] -= 1
 
 
 def planner(model: torch.nn.Module):
@@ -761,5 +764,5 @@ def wrap(model: torch.nn.Module, program: Program, loss=None, *, check_model: bo
     changed since in what `remat_ir.runtime.bind.ModelGuard` watches (a
     submodule replaced, a parameter or buffer object replaced, requires_grad
     or a submodule's train/eval mode changed), naming the change."""
-    unwrap(model)  # (its checks trace the model as it is, not by an earlier plan)
+    # (Its checks trace the model's own forward, adopted or not: see `Adopted.__call__`.)
     return adopt(model, RematModule(model, program, loss, check_model))

@@ -101,8 +101,31 @@ class LiveReads:
 
     attributes: dict = field(default_factory=dict)
 
+    live: dict = field(default_factory=dict)  # (path, via, name) -> the container read, for restoring it
+
     def note(self, path: str, via: str, name: str, value) -> None:
-        self.attributes.setdefault((path, via, name), snapshot(value))
+        key = (path, via, name)
+        if key not in self.attributes:
+            self.attributes[key] = snapshot(value)
+            if isinstance(value, (list, dict, set)) and guardable(value):
+                self.live[key] = value
+
+    def restore_containers(self, where) -> list[str]:
+        """Put back each list, dict or set the step read and then changed in
+        place (`self.lens.append(T)`), saying which."""
+        out = []
+        for key, v in self.live.items():
+            was = self.attributes[key]
+            if v != was:
+                if isinstance(v, list):
+                    v[:] = was
+                else:
+                    v.clear()
+                    v.update(was)
+                out.append(f"{where(key[0])} changes its attribute {key[2]} in place in its forward: a plan runs "
+                           "the ops it traced, not the model's Python; keep such state out of forward")
+        self.live = {}
+        return out
 
 
 class _Watch:
@@ -116,6 +139,9 @@ class _Watch:
         self.problems: list[str] = []
         self.seen: list[tuple] = []  # (weakref to a tensor a hook saw, what the hook is)
         self.active = True
+
+    def paths_to(self, path: str) -> str:
+        return f"submodule {path}" if path else "the model"
 
     def where(self, obj) -> str:
         name = self.paths.get(id(obj))
@@ -203,6 +229,17 @@ def _watched_hook(w: _Watch, fn, what: str):
     return hook
 
 
+def _unwatched_hook(w: _Watch, fn):
+    def hook(*args, **kwargs):
+        active, w.active = w.active, False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            w.active = active
+
+    return hook
+
+
 def _random_state():
     np = sys.modules.get("numpy")
     return random.getstate(), np.random.get_state() if np is not None else None
@@ -243,12 +280,14 @@ def watching(model: torch.nn.Module, reads: list | None = None):
     for path, what, d in hook_dicts(model):
         kind = what.removesuffix("s").replace("_", " ")
         for k, fn in list(d.items()):
-            if not _own(fn):
-                owner = "global" if path is None else ("of the model" if not path else f"of submodule {path}")
-                name = f"the global {kind} {_hook_name(fn)}" if path is None else \
-                    f"the {kind} {_hook_name(fn)} {owner}"
-                hooks.append((d, k, fn))
-                d[k] = _watched_hook(w, fn, name)
+            hooks.append((d, k, fn))
+            if _own(fn):  # (torch's own: what it reads and writes is torch's, weight_norm's weight)
+                d[k] = _unwatched_hook(w, fn)
+                continue
+            owner = "global" if path is None else ("of the model" if not path else f"of submodule {path}")
+            name = f"the global {kind} {_hook_name(fn)}" if path is None else \
+                f"the {kind} {_hook_name(fn)} {owner}"
+            d[k] = _watched_hook(w, fn, name)
     start = _random_state()
     stack: list[tuple] = []
 
@@ -299,9 +338,10 @@ def watching(model: torch.nn.Module, reads: list | None = None):
                     w.reads.note(path, via, k, v)
         if reads is not None:  # (a trace that failed read them too: what to watch for a change)
             reads.append(w.reads)
+        changed = w.reads.restore_containers(w.paths_to)
     if failed:
         return
-    problems = list(w.problems)
+    problems = list(w.problems) + changed
     for obj, name, old, where in w.written.values():
         was = "" if old is _MISSING else f" (was {_short(old)})"
         problems.append(f"{where} sets its attribute {name} in its forward{was}: a plan runs the ops it "
