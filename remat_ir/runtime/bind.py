@@ -564,9 +564,9 @@ def _user_hooks(d: dict) -> tuple:
     counter's or memory tracker's, registered anew at each `with`)."""
     if not d:
         return ()
-    from remat_ir.trace.live import _own
+    from remat_ir.trace.live import torch_own
 
-    return tuple(k for k, fn in d.items() if not _own(fn))
+    return tuple(k for k, fn in d.items() if not torch_own(fn))
 
 
 def _brief(v) -> str:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, is_dataclass
 import torch
 from torch.nn.modules import module as _nn
 
-__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "snapshot", "tracing", "watching"]
+__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "snapshot", "torch_own", "tracing", "watching"]
 
 # The attributes every nn.Module has (hook dicts, _parameters, training...):
 # the module's own machinery, watched by ModelGuard and LiveGuard directly.
@@ -208,7 +208,7 @@ def _hook_name(fn) -> str:
     return getattr(f, "__qualname__", None) or type(f).__name__
 
 
-def _own(fn) -> bool:
+def torch_own(fn) -> bool:
     """Hooks of torch itself and of remat-ir: their effects are their libraries' (FSDP's gathers, the tracer's names)."""
     mod = getattr(getattr(fn, "func", fn), "__module__", "") or ""
     return mod.startswith(("torch.", "remat_ir."))
@@ -281,7 +281,7 @@ def watching(model: torch.nn.Module, reads: list | None = None):
         kind = what.removesuffix("s").replace("_", " ")
         for k, fn in list(d.items()):
             hooks.append((d, k, fn))
-            if _own(fn):  # (torch's own: what it reads and writes is torch's, weight_norm's weight)
+            if torch_own(fn):  # (torch's own: what it reads and writes is torch's, weight_norm's weight)
                 d[k] = _unwatched_hook(w, fn)
                 continue
             owner = "global" if path is None else ("of the model" if not path else f"of submodule {path}")
