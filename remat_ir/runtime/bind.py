@@ -486,7 +486,7 @@ class LiveGuard:
     def _bind(self, model: torch.nn.Module) -> None:
         from remat_ir.trace.live import guardable, hook_dicts
 
-        eq, same = [], []  # (owner's __dict__, name) compared by equality / by identity
+        owners = []  # (the owner's __dict__, name), in the entries' order
         for i, ((path, via, name), value) in enumerate(self.entries):
             try:
                 owner = model.get_submodule(path)
@@ -496,55 +496,46 @@ class LiveGuard:
                 owner = owner.__dict__.get(via) if owner is not None else None
             d = getattr(owner, "__dict__", {})
             if isinstance(value, _Rebind):  # (unpickled: the objects are the model's as it is now)
-                value = d.get(name, _ABSENT)
-                self.entries[i] = ((path, via, name), value)
-            (eq if guardable(value) else same).append((d, name))
-        self._eq_values = [v for _, v in self.entries if guardable(v)]
-        self._same_ids = [id(v) for _, v in self.entries if not guardable(v)]
+                self.entries[i] = ((path, via, name), d.get(name, _ABSENT))
+            owners.append((d, name))
+        self._by_value = [guardable(v) for _, v in self.entries]
+        # Compared by equality (scalars, small containers) and by identity (anything else).
+        self._eq = [o for o, by_value in zip(owners, self._by_value) if by_value]
+        self._same = [o for o, by_value in zip(owners, self._by_value) if not by_value]
+        self._eq_values = [v for (_, v), by_value in zip(self.entries, self._by_value) if by_value]
+        self._same_ids = [id(v) for (_, v), by_value in zip(self.entries, self._by_value) if not by_value]
+        self._owners = owners
         self._hooks = hook_dicts(model)
         self._hook_keys = [_user_hooks(d) for _, _, d in self._hooks]
-        self._bound = (eq, same)
+        self._bound = True
 
     def changes(self, model: torch.nn.Module) -> list[str]:
         """What changed in `model`'s live state since the guard was taken."""
         if self._bound is None:
             self._bind(model)
-        eq, same = self._bound
-        if [d.get(n, _ABSENT) for d, n in eq] == self._eq_values \
-                and [id(d.get(n, _ABSENT)) for d, n in same] == self._same_ids \
+        if [d.get(n, _ABSENT) for d, n in self._eq] == self._eq_values \
+                and [id(d.get(n, _ABSENT)) for d, n in self._same] == self._same_ids \
                 and [_user_hooks(d) for _, _, d in self._hooks] == self._hook_keys:
             return []
         return self._describe()
 
     def _describe(self) -> list[str]:
-        from remat_ir.trace.live import guardable
+        from remat_ir.trace.live import module_text
 
-        eq, same = self._bound
-        pairs, k_eq, k_same = [], 0, 0
-        for _, value in self.entries:
-            if guardable(value):
-                pairs.append(eq[k_eq])
-                k_eq += 1
-            else:
-                pairs.append(same[k_same])
-                k_same += 1
-        now = [d.get(n, _ABSENT) for d, n in pairs]
         out = []
-        for i, ((path, via, name), value) in enumerate(self.entries):
-            by_value = guardable(value)
-            if (now[i] == value) if by_value else (now[i] is value):
+        for ((path, via, name), value), (d, _), by_value in zip(self.entries, self._owners, self._by_value):
+            now = d.get(name, _ABSENT)
+            if (now == value) if by_value else (now is value):
                 continue
-            owner = f"submodule {path}" if path else "the model"
             attr = f"{via}.{name}" if via else name
-            got = "was deleted" if now[i] is _ABSENT else (
-                f"changed from {_brief(value)} to {_brief(now[i])}" if by_value else "was replaced")
-            out.append(f"attribute {attr} of {owner} {got}")
-        for (path, what, d), keys in zip(self._hooks, self._hook_keys):
-            if _user_hooks(d) != keys:
-                kind = what.removesuffix("s").replace("_", " ")
-                where = "a global " + kind if path is None else (
-                    f"a {kind} of " + (f"submodule {path}" if path else "the model"))
-                added, removed = len(set(_user_hooks(d)) - set(keys)), len(set(keys) - set(_user_hooks(d)))
+            got = "was deleted" if now is _ABSENT else (
+                f"changed from {_brief(value)} to {_brief(now)}" if by_value else "was replaced")
+            out.append(f"attribute {attr} of {module_text(path)} {got}")
+        for (path, kind, d), keys in zip(self._hooks, self._hook_keys):
+            hooks = _user_hooks(d)
+            if hooks != keys:
+                where = f"a global {kind}" if path is None else f"a {kind} of {module_text(path)}"
+                added, removed = set(hooks) - set(keys), set(keys) - set(hooks)
                 out.append(f"{where} was " + ("added" if added and not removed else
                                               "removed" if removed and not added else "replaced"))
         return out or ["the model's live state changed"]

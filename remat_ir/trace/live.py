@@ -41,7 +41,8 @@ from dataclasses import dataclass, field, is_dataclass
 import torch
 from torch.nn.modules import module as _nn
 
-__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "snapshot", "torch_own", "tracing", "watching"]
+__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "module_text", "snapshot", "torch_own", "tracing",
+           "watching"]
 
 # The attributes every nn.Module has (hook dicts, _parameters, training...):
 # the module's own machinery, watched by ModelGuard and LiveGuard directly.
@@ -84,13 +85,22 @@ def _is_config(v) -> bool:
         type(v).__name__.endswith("Config") or is_dataclass(v))
 
 
-def hook_dicts(model: torch.nn.Module) -> list[tuple[str, str, dict]]:
-    """(module path, which hooks, the dict) for every hook dict of `model`'s
-    modules and the global ones (path None)."""
-    out = [(None, k.removeprefix("_global_"), getattr(_nn, k)) for k in _GLOBAL_HOOK_DICTS]
+def hook_dicts(model: torch.nn.Module) -> list[tuple[str | None, str, dict]]:
+    """(module path, the kind of its hooks in words, the dict) for every hook
+    dict of `model`'s modules and the global ones (path None): ("h.0",
+    "forward pre hook", ...)."""
+    def kind(attr: str) -> str:
+        return attr.removeprefix("_global_").strip("_").removesuffix("s").replace("_", " ")
+
+    out = [(None, kind(k), getattr(_nn, k)) for k in _GLOBAL_HOOK_DICTS]
     for name, m in model.named_modules(remove_duplicate=False):
-        out += [(name, k.lstrip("_"), m.__dict__[k]) for k in _HOOK_DICTS if k in m.__dict__]
+        out += [(name, kind(k), m.__dict__[k]) for k in _HOOK_DICTS if k in m.__dict__]
     return out
+
+
+def module_text(path: str) -> str:
+    """A submodule's path in words: "submodule h.0", or "the model" for the root."""
+    return f"submodule {path}" if path else "the model"
 
 
 @dataclass
@@ -110,7 +120,7 @@ class LiveReads:
             if isinstance(value, (list, dict, set)) and guardable(value):
                 self.live[key] = value
 
-    def restore_containers(self, where) -> list[str]:
+    def restore_containers(self) -> list[str]:
         """Put back each list, dict or set the step read and then changed in
         place (`self.lens.append(T)`), saying which."""
         out = []
@@ -122,7 +132,7 @@ class LiveReads:
                 else:
                     v.clear()
                     v.update(was)
-                out.append(f"{where(key[0])} changes its attribute {key[2]} in place in its forward: a plan runs "
+                out.append(f"{module_text(key[0])} changes its attribute {key[2]} in place in its forward: a plan runs "
                            "the ops it traced, not the model's Python; keep such state out of forward")
         self.live = {}
         return out
@@ -139,9 +149,6 @@ class _Watch:
         self.problems: list[str] = []
         self.seen: list[tuple] = []  # (weakref to a tensor a hook saw, what the hook is)
         self.active = True
-
-    def paths_to(self, path: str) -> str:
-        return f"submodule {path}" if path else "the model"
 
     def where(self, obj) -> str:
         name = self.paths.get(id(obj))
@@ -277,16 +284,14 @@ def watching(model: torch.nn.Module, reads: list | None = None):
                 swapped.append((m, cls))
             except TypeError:  # a class whose layout a subclass cannot take: its reads are not noted
                 pass
-    for path, what, d in hook_dicts(model):
-        kind = what.removesuffix("s").replace("_", " ")
+    for path, kind, d in hook_dicts(model):
         for k, fn in list(d.items()):
             hooks.append((d, k, fn))
             if torch_own(fn):  # (torch's own: what it reads and writes is torch's, weight_norm's weight)
                 d[k] = _unwatched_hook(w, fn)
                 continue
-            owner = "global" if path is None else ("of the model" if not path else f"of submodule {path}")
             name = f"the global {kind} {_hook_name(fn)}" if path is None else \
-                f"the {kind} {_hook_name(fn)} {owner}"
+                f"the {kind} {_hook_name(fn)} of {module_text(path)}"
             d[k] = _watched_hook(w, fn, name)
     start = _random_state()
     stack: list[tuple] = []
@@ -338,7 +343,7 @@ def watching(model: torch.nn.Module, reads: list | None = None):
                     w.reads.note(path, via, k, v)
         if reads is not None:  # (a trace that failed read them too: what to watch for a change)
             reads.append(w.reads)
-        changed = w.reads.restore_containers(w.paths_to)
+        changed = w.reads.restore_containers()
     if failed:
         return
     problems = list(w.problems) + changed
