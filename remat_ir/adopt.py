@@ -224,12 +224,9 @@ class AutoRemat(WrappedModule):
                     raise
                 print(f"remat-ir: {why}; such calls run eagerly", file=sys.stderr)
                 eager.update((structure, shape_class))
-                self._model_guard = ModelGuard(self.module)
-                self._live_guard = LiveGuard(self._reads, self.module)  # (a change plans them again)
+                self._take_guards(fresh=True)  # (a change plans such calls again)
                 return self._eager_step(call)
-            if not self.plans or guard is None:
-                self._model_guard = ModelGuard(self.module)  # what the plans in memory were made from
-            self._live_guard = LiveGuard(self._reads, self.module)  # and what their traces read
+            self._take_guards(fresh=not self.plans or guard is None)
             # A symbolic plan's inputs' shapes tell it from another of the same class
             # (a batch of one: symbolic in its sequence only).
             shapes = tuple(tuple(map(str, v.shape)) for v in runner.exe.inputs) if runner.symbolic else ()
@@ -242,6 +239,13 @@ class AutoRemat(WrappedModule):
                 self._traced.pop(id(self.plans.popitem(last=False)[1]), None)
         self.plans.move_to_end(key)
         return runner.run(self.module, call, guards_checked=True)
+
+    def _take_guards(self, fresh: bool) -> None:
+        """Note what the plans in memory (and the calls run eagerly) were made
+        from: the model (`fresh`: taken anew) and what their traces read."""
+        if fresh:
+            self._model_guard = ModelGuard(self.module)
+        self._live_guard = LiveGuard(self._reads, self.module)
 
     def _eager_step(self, call):
         from remat_ir.runtime.interpret import eager_step

@@ -350,7 +350,7 @@ def _scan(model: torch.nn.Module) -> tuple[list, list]:
     objects, facts = [model], []
     todo, seen = [model], {id(model)}
     for m in todo:  # (grows as it goes: breadth first)
-        facts.append(_own_class(m))
+        facts.append(own_class(m))
         facts.append(m.training)
         for k, p in m._parameters.items():
             objects.append(p)
@@ -374,14 +374,14 @@ def _by_name(model: torch.nn.Module, weak: bool) -> dict:
     import weakref
 
     ref = weakref.ref if weak else (lambda o: o)
-    return {"module": {n: (ref(m), _own_class(m), m.training)
+    return {"module": {n: (ref(m), own_class(m), m.training)
                        for n, m in model.named_modules(remove_duplicate=False)},
             "parameter": {n: (ref(p), p.requires_grad, _type(p))
                           for n, p in model.named_parameters(remove_duplicate=False)},
             "buffer": {n: (ref(b), _type(b)) for n, b in model.named_buffers(remove_duplicate=False)}}
 
 
-def _own_class(m: torch.nn.Module) -> type:
+def own_class(m: torch.nn.Module) -> type:
     """`m`'s class, or the class it had before remat-ir adopted it (which
     pickle can find by name)."""
     cls = type(m)
@@ -409,7 +409,7 @@ def _differences(then: dict, now: dict) -> list[str]:
         if m is None:
             out.append(f"{what} ({cls.__name__}) was removed")
             gone.append(name)
-        elif _own_class(m[0]) is not cls:
+        elif own_class(m[0]) is not cls:
             out.append(f"{what} changed from {cls.__name__} to {type(m[0]).__name__}")
             gone.append(name)
         elif ref is not None and ref() is not m[0]:

@@ -30,6 +30,7 @@ from remat_ir.ir import sizes as sz
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
 from remat_ir.runtime.bind import (
     LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
+    own_class,
 )
 from remat_ir.trace.calls import autocast_off, split_call
 from remat_ir.trace.live import tracing
@@ -555,11 +556,8 @@ class WrappedModule(torch.nn.Module):
     def _planned_step(self, args, kwargs):
         # While the step is planned and run, a call of the adopted model (the
         # trace's) is the model's own.
-        self.__dict__["_busy"] = self.__dict__.get("_busy", 0) + 1
-        try:
+        with _counting(self, "_busy"):
             return self.step(split_call(self.module, args, kwargs))
-        finally:
-            self.__dict__["_busy"] -= 1
 
     def __getattr__(self, name: str):
         try:
@@ -589,7 +587,7 @@ class WrappedModule(torch.nn.Module):
         _show_signature(self)
         if self.__dict__.get("_adopts"):  # (a copy of an adopted model: the copy is adopted too)
             model = self.module
-            model.__class__ = _adopted_class(getattr(type(model), "_remat_base", type(model)))
+            model.__class__ = _adopted_class(own_class(model))
 
     def __deepcopy__(self, memo):
         import copy
@@ -680,8 +678,7 @@ def adopt(model: torch.nn.Module, planner: WrappedModule) -> torch.nn.Module:
     adopted by the new planner.  `unwrap` undoes it."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat-ir adopts a torch.nn.Module, not {type(model).__name__}")
-    base = getattr(type(model), "_remat_base", type(model))
-    model.__class__ = _adopted_class(base)
+    model.__class__ = _adopted_class(own_class(model))
     model.__dict__["_remat_ir"] = planner
     planner.__dict__["_adopts"] = True
     return model
@@ -692,8 +689,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     (plans made are dropped; a unit of a sharded model gets its forward
     back).  A model never wrapped is returned as it is."""
     planner = model.__dict__.pop("_remat_ir", None)
-    if isinstance(type(model), type) and "_remat_base" in type(model).__dict__:
-        model.__class__ = type(model)._remat_base
+    model.__class__ = own_class(model)
     if planner is not None:
         planner.__dict__["_adopts"] = False
         for unit in getattr(planner, "units", ()):
@@ -706,13 +702,18 @@ def eager(model: torch.nn.Module):
     """Within it, calls of an adopted `model` run its own forward, training
     steps included (a step to differentiate twice, a debugging run)."""
     p = planner(model)
-    if p is not None:
-        p.__dict__["_in_eager"] = p.__dict__.get("_in_eager", 0) + 1
-    try:
+    with _counting(p, "_in_eager") if p is not None else contextlib.nullcontext():
         yield model
+
+
+@contextlib.contextmanager
+def _counting(planner: WrappedModule, key: str):
+    """`planner.__dict__[key]` one higher while inside (nested calls stack)."""
+    planner.__dict__[key] = planner.__dict__.get(key, 0) + 1
+    try:
+        yield
     finally:
-        if p is not None:
-            p.__dict__["_in_eager"] -= 1
+        planner.__dict__[key] -= 1
 
 
 def planner(model: torch.nn.Module):
