@@ -230,6 +230,8 @@ class AutoRemat(WrappedModule):
             # A symbolic plan's inputs' shapes tell it from another of the same class
             # (a batch of one: symbolic in its sequence only).
             shapes = tuple(tuple(map(str, v.shape)) for v in runner.exe.inputs) if runner.symbolic else ()
+            if runner.symbolic and _one_size(runner.program):  # (one per size: they do not replace each other)
+                shapes += tuple(runner.program.header.sizes)
             key = (shape_class if runner.symbolic else structure, tuple(runner.program.header.guards), shapes)
             old = self.plans.pop(key, None)
             if old is not None:
@@ -325,11 +327,14 @@ class AutoRemat(WrappedModule):
             out.append(sz.format_range(sz.SizeRange(r.symbol, r.low, max(r.low, high.get(r.symbol, r.high)))))
         return out
 
-    @staticmethod
-    def _within_guards(program, call) -> None:
+    def _within_guards(self, program, call) -> None:
         """Narrow the range to the call's own sizes at an end where the
         trace's size guards do not hold (`B*T != 4` at B=T=2, `T <= 64` at a
-        high end of 128): a plan verifies at both ends of its range."""
+        high end of 128): a plan verifies at both ends of its range.  Where
+        that leaves one size only (the step's Python branches on the exact
+        size: trl's chunked loss loops over `range(B*(T-1))`'s chunks,
+        NEFTune scales its noise by `T*d`), says once that each size is
+        planned on its own."""
         from remat_ir.ir import sizes as sz
         from remat_ir.ir.fingerprint import fingerprint
 
@@ -343,6 +348,12 @@ class AutoRemat(WrappedModule):
             sz.format_range(sz.SizeRange(s, sizes[s] if bad_low else r.low, sizes[s] if bad_high else r.high))
             for s, r in sz.ranges(program).items()]
         program.header.fingerprint = fingerprint(program)
+        if _one_size(program) and not self.__dict__.get("_said_exact"):
+            self._said_exact = True
+            why = (bad_low or bad_high).split("break the plan's ")[-1]
+            print(f"remat-ir: {type(self.module).__name__}'s step depends on its exact sizes ({why}): each "
+                  "size is planned when first seen (padding to a multiple, `pad_to_multiple_of`, keeps "
+                  "them few)", file=sys.stderr)
 
     def _grown(self, call, shape_class):
         """A symbolic plan of this shape class whose range, grown to this
@@ -508,6 +519,12 @@ class AutoRemat(WrappedModule):
         facts = {"fingerprint": _class_fingerprint(program), "torch": torch.__version__,
                  "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _one_size(program) -> bool:
+    from remat_ir.ir import sizes as sz
+
+    return all(r.low == r.high for r in sz.ranges(program).values())
 
 
 def _internal(e: Exception) -> bool:

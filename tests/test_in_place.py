@@ -266,7 +266,7 @@ def test_ranks_plan_a_step_once(tmp_path):
 
 def _sft(wrapped: bool):
     """Four SFTTrainer steps of a tiny Llama (a word-level tokenizer built in
-    place), wrapped at 0.6 or not; the model."""
+    place), wrapped at 0.95 or not; the model."""
     import transformers
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -284,7 +284,7 @@ def _sft(wrapped: bool):
         vocab_size=98, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=64, pad_token_id=96, eos_token_id=97))
     if wrapped:
-        model = remat_ir.wrap(model, budget=0.6)
+        model = remat_ir.wrap(model, budget=0.95)
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
@@ -297,19 +297,18 @@ def _sft(wrapped: bool):
 
 
 @pytest.mark.slow
-def test_sft_trainer_trains_as_eager_saying_how(tmp_path, monkeypatch, capsys):
+def test_sft_trainer_runs_a_plan_as_eager(tmp_path, monkeypatch, capsys):
     """trl's SFTTrainer computes the loss with its own chunked LM head, which
     writes the head's gradient in place chunk by chunk (`mm(..., out=rows)`):
-    the plan is traced from that forward (the adopted model's own), and
-    where the planner cannot schedule it, the step runs eagerly and says so
-    in one line, never silently and never an exception."""
+    the plan is traced from that forward (the adopted model's own) and hands
+    the gradient to autograd after its last write, so the step runs by the
+    plan, bitwise with eager's SFTTrainer."""
     pytest.importorskip("trl")
     monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
     wrapped, eager = _sft(True), _sft(False)
     assert all(torch.equal(p, q) for p, q in zip(wrapped.parameters(), eager.parameters()))
     err = capsys.readouterr().err
-    planned = remat_ir.planner(wrapped).plans
-    assert planned or err.count("such calls run eagerly") == 1, err
+    assert remat_ir.planner(wrapped).solves >= 1 and "eagerly" not in err, err
 
 
 @pytest.mark.slow
@@ -351,3 +350,63 @@ def test_lightning_checkpoints_load_across_wrapped_and_unwrapped(tmp_path, monke
     for written in (True, False):
         loaded = Module.load_from_checkpoint(tmp_path / f"{written}.ckpt", wrapped=not written, strict=True)
         assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), runs[written].parameters()))
+
+
+class _RowsHead(torch.autograd.Function):
+    """A chunked LM-head loss as trl's SFTTrainer computes it: backward
+    allocates the weight's gradient and fills it chunk by chunk in place
+    (`mm(..., out=rows)`), so the gradient is written after the instruction
+    that computes it."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels):
+        ctx.save_for_backward(h, w, labels)
+        return torch.nn.functional.cross_entropy(h @ w.t(), labels)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, labels = ctx.saved_tensors
+        p = torch.softmax(h @ w.t(), -1)
+        p[torch.arange(len(labels)), labels] -= 1
+        p = p * (g / len(labels))
+        gw = torch.zeros_like(w)
+        for v in range(0, w.shape[0], 8):
+            torch.mm(p[:, v:v + 8].t(), h, out=gw[v:v + 8])
+        return p @ w, gw, None
+
+
+class _Chunked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 24, bias=False)
+
+    def forward(self, x, labels):
+        return _RowsHead.apply(self.body(x), self.head.weight, labels)
+
+
+@pytest.mark.parametrize("budget", [None, "floor"])
+def test_a_gradient_written_in_place_after_it_is_made_runs_by_the_plan(budget):
+    """The gradient goes to autograd after the last write to its storage
+    (`remat_ir.ir.hand_overs`): the plan verifies, runs bitwise with eager
+    and peaks where the simulator says."""
+    from remat_ir.pipeline import fit
+    from remat_ir.runtime.load import LoadedModel
+    from remat_ir.runtime.run import run_plan
+
+    torch.manual_seed(0)
+    model = _Chunked()
+    inputs = (torch.randn(12, 16), torch.randint(0, 24, (12,)))
+    program = remat_ir.compile(copy.deepcopy(model), inputs)
+    writes = [n for n in program.nodes if n.phase == "backward" and n.mutates]
+    assert len(writes) == 3  # one per chunk of rows
+    plan = program if budget is None else fit(program, budget)
+    assert remat_ir.verify(plan)
+    r = run_plan(plan, LoadedModel(name="chunked", module=copy.deepcopy(model), inputs=inputs, loss=None),
+                 steps=2, check=True)
+    assert r.measured_first_peak - r.predicted_first.peak_bytes <= 4
+    assert r.measured_peak - r.predicted.peak_bytes <= 4
+    wrapped, eager = remat_ir.wrap(copy.deepcopy(model), plan), copy.deepcopy(model)
+    for m in (wrapped, eager):
+        m(*inputs).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(wrapped.parameters(), eager.parameters()))

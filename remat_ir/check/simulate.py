@@ -12,8 +12,9 @@ interpreter and autograd do at run time:
 * `free` drops a value; its storage is released when no value aliasing it is
   live any more;
 * at the start of backward autograd allocates the tangents (`ones_like(loss)`);
-* right after the instruction that produces a gradient, the gradient is handed
-  to autograd: with `.grad` present it is added in place and dropped; with
+* right after the last instruction that writes a gradient's storage (the one
+  producing it, or a later in-place update: `remat_ir.ir.hand_overs`), the
+  gradient is handed to autograd: with `.grad` present it is added in place and dropped; with
   `.grad` absent its storage becomes `.grad` (or, when its strides differ from
   the parameter's, autograd clones it into a fresh storage first);
 * forward results are held by the caller until the step ends;
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from remat_ir.ir import (
     BACKWARD, BUFFER, COMPUTE, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
-    DTYPE_BYTES, Program, node_inputs,
+    DTYPE_BYTES, Program, hand_overs, node_inputs,
 )
 from remat_ir.ir.types import OPTIMIZER_STATES
 
@@ -132,6 +133,7 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
             grad_of.setdefault(o.value, []).append(o.key)
         elif o.kind == RESULT:
             results.add(o.value)
+    handed = hand_overs(program)
 
     cat_bytes = dict.fromkeys(CATEGORIES, 0)
     storage_bytes: dict[str, int] = {}  # live storage -> bytes
@@ -225,10 +227,11 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
                         make_live(out)
                 record(phase, i, ins.line)
                 if phase == "backward":
-                    for out in node.outputs:
-                        if out in grad_of:
-                            _hand_over(out, grad_of[out], values, grads_present, live, refs,
-                                       storage_cat, cat_bytes, alloc, drop, record, i, ins.line)
+                    for out in handed.get(i, ()):
+                        if out not in live:
+                            raise SimulationError(f"{out}, a gradient output, is not live when handed to autograd")
+                        _hand_over(out, grad_of[out], values, grads_present, live, refs,
+                                   storage_cat, cat_bytes, alloc, drop, record, i, ins.line)
             elif ins.kind == FREE:
                 if ins.target in results:
                     raise SimulationError(f"{ins.target} is a forward result; the caller holds it")

@@ -28,8 +28,8 @@ The rules (the runtime semantics the interpreter and autograd implement):
 * `free V` needs V live, and V not a graph input, a forward result or a
   gradient output; every value made live is freed once per lifetime by the end
   of backward, except forward results (the caller holds them) and gradient
-  outputs (handed to autograd right after the instruction that computes them,
-  and never read after it);
+  outputs (handed to autograd right after the last instruction that writes
+  them, computing them or updating them in place, and never read after it);
 * in-place updates keep graph order: a node reading a storage (through any
   value aliasing it) sees exactly the updates that precede it in the graph,
   so a reader of the old data never runs after the update and a reader of the
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from remat_ir.ir import (
     BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE,
-    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, Seq, Sym, arg_depth, node_inputs,
+    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, Seq, Sym, arg_depth, hand_overs, node_inputs,
 )
 from remat_ir.ir import sizes as sz
 from remat_ir.ir.printer import human_bytes
@@ -561,6 +561,7 @@ class _Verifier:
         self.srefs: dict[str, int] = {}  # storage -> live values aliasing it
         self.freed_at: dict[str, Loc] = {}
         self.handed_at: dict[str, Loc] = {}
+        self.hand_overs = hand_overs(p)  # backward index -> gradients autograd takes after it
         self.last_touch: dict[str, Loc] = {}
         self.computed_at: dict[str, Loc] = {}
         self.computed_t: dict[str, int] = {}
@@ -753,15 +754,21 @@ class _Verifier:
                 if inst is not None:
                     self.inst_ran.setdefault(inst, {}).setdefault(name, (t, loc))
 
-        # Gradient outputs go to autograd right after this instruction.
-        for o in outs:
-            if o in self.grad_of and o in self.live:
-                if section == "forward":
+        # Gradient outputs go to autograd right after the last instruction
+        # writing them (`hand_overs`); computed in forward, right away.
+        if section == "forward":
+            for o in outs:
+                if o in self.grad_of and o in self.live:
                     self.err(loc, f"{verb} {name} produces {o}, the gradient of "
                                   f"{', '.join(self.grad_of[o])}, in the forward section; gradients "
                                   f"are handed to autograd and must be computed in backward")
-                self._drop(o)
-                self.handed_at[o] = loc
+                    self._drop(o)
+                    self.handed_at[o] = loc
+        else:
+            for o in self.hand_overs.get(loc[1], ()):
+                if o in self.live:
+                    self._drop(o)
+                    self.handed_at[o] = loc
 
     def _double_update(self, name: str, m: str) -> str:
         """Why recomputing mutating node `name` would update `m` twice, or ""."""
@@ -817,7 +824,7 @@ class _Verifier:
         if r in self.handed_at:
             return (f"{head}, the gradient of {', '.join(self.grad_of.get(r, ['?']))}, which was "
                     f"handed to autograd right after {_where(self.handed_at[r])}; a gradient output "
-                    f"cannot be read after the instruction that computes it")
+                    f"cannot be read after the last instruction that writes it")
         if r in self.freed_at:
             fl = self.freed_at[r]
             msg = f"{head}, which was freed at {_where(fl)}; move that free after {_where(loc)}"

@@ -11,5 +11,5 @@ from remat_ir.ir.types import (  # noqa: F401 - the package's face
     DTYPE_SHORT, FORMAT_VERSION, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE, RESULT, TANGENT,
     VALUE, VALUE_KINDS, Arg, Budget, Device, DType, Header, Instr, Layout, MemoryFormat, Node,
     Output, Program, Ref, Seq, Special, Sym, Value, arg_depth, arg_refs, contiguous_stride, from_json,
-    from_msgpack, node_inputs, to_json, to_msgpack,
+    from_msgpack, hand_overs, node_inputs, to_json, to_msgpack,
 )

@@ -302,6 +302,40 @@ def node_inputs(node: Node) -> list[str]:
     return list(seen)
 
 
+def hand_overs(program: "Program") -> dict[int, list[str]]:
+    """When each gradient output goes to autograd: backward instruction index
+    -> the gradient values handed over right after it.  That is the last
+    instruction that writes the gradient's storage: the one computing it, or
+    a later one updating it in place (a chunked loss allocates the weight's
+    gradient and fills it slice by slice with `mm(..., out=rows)`), so every
+    write lands before autograd takes it.  Stated once, for the simulator,
+    the verifier and the interpreter alike."""
+    values = program.value_map()
+    nodes = program.node_map()
+    grads = {o.value for o in program.outputs if o.kind == GRAD}
+    by_storage: dict[str, list[str]] = {}
+    for g in grads:
+        if g in values:
+            by_storage.setdefault(values[g].storage, []).append(g)
+    last: dict[str, int] = {}
+    for i, ins in enumerate(program.backward):
+        node = nodes.get(ins.target) if ins.kind != FREE else None
+        if node is None:
+            continue
+        for o in node.outputs:
+            if o in grads:
+                last[o] = i
+        for m in node.mutates:
+            if m in values:
+                for g in by_storage.get(values[m].storage, ()):
+                    if g in last:
+                        last[g] = i
+    at: dict[int, list[str]] = {}
+    for g, i in sorted(last.items(), key=lambda kv: kv[1]):
+        at.setdefault(i, []).append(g)
+    return at
+
+
 # ------------------------------------------------------------- serialization
 
 _json_encoder = msgspec.json.Encoder()

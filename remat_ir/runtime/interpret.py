@@ -27,7 +27,7 @@ from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops 
 from remat_ir.ir.guards import Guard, GuardError, failed_guard
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import sizes as sz
-from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program
+from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program, hand_overs
 from remat_ir.runtime.bind import (
     LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
     own_class,
@@ -96,23 +96,24 @@ class Executable:
         self.inputs = [v for v in program.values if v.kind == INPUT]
 
         self.forward_fn = self._compile("forward", program.forward, [])
-        # Backward segments: cut after each instruction that yields gradients
-        # and the frees that follow it.  Those frees run before the gradients go
-        # to autograd, so no other name still holds a gradient an in-place op
+        # Backward segments: cut after each instruction that hands gradients
+        # over (the last write to their storage: `hand_overs`) and the frees
+        # that follow it.  Those frees run before the gradients go to
+        # autograd, so no other name still holds a gradient an in-place op
         # returned (`add_(e, f)` is `e`): autograd then takes its storage as
         # `.grad` instead of cloning it, as the simulator says.
         self.segments: list[tuple] = []  # (fn, [grad keys])
+        handed = hand_overs(program)
         start = 0
         instrs = program.backward
         for i, ins in enumerate(instrs):
             if i < start:
                 continue
-            keys = self._grad_keys(ins)
-            if keys or i == len(instrs) - 1:
+            grads = [(v, k) for v in handed.get(i, ()) for k in self.grad_outputs[v]]
+            if grads or i == len(instrs) - 1:
                 end = i + 1
-                while keys and end < len(instrs) and instrs[end].kind == FREE:
+                while grads and end < len(instrs) and instrs[end].kind == FREE:
                     end += 1
-                grads = [(self._grad_value(ins, k), k) for k in keys]
                 fn = self._compile(f"backward_{len(self.segments)}", instrs[start:end], grads)
                 self.segments.append((fn, [k for _, k in grads]))
                 start = end
@@ -121,18 +122,6 @@ class Executable:
             self.segments.append((fn, []))
         if not self.segments:
             self.segments.append((self._compile("backward_0", [], []), []))
-
-    def _grad_keys(self, ins) -> list[str]:
-        if ins.kind not in (COMPUTE, RECOMPUTE):
-            return []
-        return [k for out in self.nodes[ins.target].outputs if out in self.grad_outputs
-                for k in self.grad_outputs[out]]
-
-    def _grad_value(self, ins, key) -> str:
-        for out in self.nodes[ins.target].outputs:
-            if key in self.grad_outputs.get(out, ()):
-                return out
-        raise AssertionError(key)
 
     def _const(self, obj) -> str:
         k = id(obj)
