@@ -160,7 +160,7 @@ class Guard:
     def __init__(self, text: str):
         self.text = text
         if text == TRACED:
-            self.expression, self._tree, self.want, self._leaves = "traced()", False, False, {}
+            self.expression, self._tree, self.want, self._leaves, self.reads = "traced()", False, False, {}, []
             return
         try:
             tree = ast.parse(text, mode="eval").body
@@ -182,6 +182,7 @@ class Guard:
         if not isinstance(self.want, (bool, int, float)):
             raise GuardError(f"guard {text!r}: the recorded value must be a number or a bool")
         self._leaves = _leaves(self._tree, {})
+        self.reads = list(self._leaves)  # (kind, name) of each leaf
 
     def expr(self, leaf: Callable):
         if self.text == TRACED:
