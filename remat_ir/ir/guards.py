@@ -188,7 +188,7 @@ class Guard:
         if self.text == TRACED:
             return False
         values = {}
-        for key, node in self._leaves.items():
+        for key in self._leaves:
             try:
                 values[key] = leaf(*key)
             except Exception:  # noqa: BLE001 (whatever the lookup raises, the call has no such value)
@@ -196,7 +196,7 @@ class Guard:
                                  "does not have") from None
         limit = max([1] + [v.numel() for v in values.values() if isinstance(v, torch.Tensor)])
         try:
-            now = _evaluate(self._tree, values, limit, {})
+            now = _evaluate(self._tree, values, limit, {}, False)
             if isinstance(now, torch.Tensor):
                 if now.numel() != 1:
                     raise _Refused(f"it gives a tensor of {now.numel()} elements, not one value")
@@ -211,22 +211,50 @@ class Guard:
                              f"{type(e).__name__}: {first}") from None
         return now
 
+    def shape_problem(self, fakes: dict) -> str:
+        """Why this guard cannot run on tensors of the shapes of `fakes`
+        ((kind, name) -> fake tensor, for each of `reads`), or "".  Values
+        are not read: what depends on them is not checked."""
+        if self.text == TRACED:
+            return ""
+        limit = max([1] + [v.numel() for v in fakes.values() if isinstance(v, torch.Tensor)])
+        try:
+            _evaluate(self._tree, fakes, limit, {}, True)
+        except _Refused as e:
+            return f"guard {self.text!r} cannot run on the plan's inputs: {e}"
+        except Exception as e:  # noqa: BLE001 (as in `expr`)
+            first = (str(e).strip().splitlines() or [""])[0]
+            return f"guard {self.text!r} cannot run on the plan's inputs: {type(e).__name__}: {first}"
+        return ""
 
-def _evaluate(x, values: dict, limit: int, memo: dict):
+
+# Ops of OPS that hand a tensor's values to Python.
+_READS_VALUES = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
+                 "aten.equal.default"}
+_UNKNOWN = object()  # a value not known when only shapes are
+
+
+def _evaluate(x, values: dict, limit: int, memo: dict, shapes_only: bool):
     if isinstance(x, _Leaf):
         return values[(x.kind, x.name)]
     if isinstance(x, list):
-        return [_evaluate(y, values, limit, memo) for y in x]
+        items = [_evaluate(y, values, limit, memo, shapes_only) for y in x]
+        return _UNKNOWN if any(i is _UNKNOWN for i in items) else items
     if isinstance(x, _Item):
-        v = _evaluate(x.inner, values, limit, memo)
+        v = _evaluate(x.inner, values, limit, memo, shapes_only)
+        if v is _UNKNOWN:
+            return v
         if not isinstance(v, (tuple, list)) or not -len(v) <= x.k < len(v):
             raise _Refused(f"[{x.k}] takes the result of an op that does not return {x.k + 1} or more")
         return v[x.k]
     if not isinstance(x, _Call):
         return x
     if id(x) not in memo:
-        args = [_evaluate(a, values, limit, memo) for a in x.args]
-        kwargs = {k: _evaluate(v, values, limit, memo) for k, v in x.kwargs.items()}
+        args = [_evaluate(a, values, limit, memo, shapes_only) for a in x.args]
+        kwargs = {k: _evaluate(v, values, limit, memo, shapes_only) for k, v in x.kwargs.items()}
+        if any(a is _UNKNOWN for a in [*args, *kwargs.values()]) or shapes_only and x.name in _READS_VALUES:
+            memo[id(x)] = _UNKNOWN
+            return _UNKNOWN
         tensors = [t for t in _flat([args, list(kwargs.values())]) if isinstance(t, torch.Tensor)]
         if not tensors:
             raise _Refused(f"{x.name} has no tensor operand")
