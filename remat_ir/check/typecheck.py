@@ -56,7 +56,7 @@ from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir.ops import autocast_off, fake_kernels
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.types import (
-    COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, MAX_NESTING, OPTIMIZER_STATES, PARAM, RESULT,
+    COST_MODELS, DTYPE_BYTES, DTYPE_SHORT, FORMAT_VERSION, INPUT, MAX_NESTING, OPTIMIZER_STATES, PARAM, RESULT,
     TANGENT, Device, DType, Layout, MemoryFormat, Program, Ref, Seq, Special, arg_depth, arg_refs,
 )
 
@@ -168,6 +168,7 @@ class _Checker:
         self.device = None
         self.mode = None
         self._all_ops = None
+        self.guards: list[Guard] = []  # the header's guards that parse and read only the plan's inputs
 
     def err(self, loc: Loc, message: str) -> None:
         self.out.append((loc, message))
@@ -194,6 +195,7 @@ class _Checker:
                     except Exception as e:  # pragma: no cover - defensive: report, never raise
                         self.err(("nodes", i, n.line), f"node {n.name}: the type checker could not check "
                                                        f"{n.op} ({type(e).__name__}: {_first_line(e)})")
+                self.check_guards()
         finally:
             log.disabled = was_disabled
         return self.out
@@ -232,12 +234,22 @@ class _Checker:
                                            f"per trainable parameter, {want} bytes for this plan's "
                                            f"parameters, but the header says {h.optim_state_bytes} bytes; "
                                            f"write `optimizer {h.optim} {want} bytes`")
+        inputs = {v.source or v.name for v in self.p.values if v.kind == INPUT}
         for g in h.guards:
             try:
-                Guard(g)
+                guard = Guard(g)
             except GuardError as e:
                 self.err(loc("guards"), f"{e}; guards are written by the tracer: restore the line, or "
                                         "compile the plan again")
+                continue
+            # (A buffer a guard reads need not be one the step uses: only the model knows its buffers.)
+            unknown = [name for kind, name in guard.reads if kind == "input" and name not in inputs]
+            for name in unknown:
+                self.err(loc("guards"), f"guard {g!r} reads input({name!r}), which is not an input of the "
+                                        "plan; guards are written by the tracer: restore the line, or "
+                                        "compile the plan again")
+            if not unknown:
+                self.guards.append(guard)
         if h.output_spec:
             from remat_ir.ir.specs import load_treespec
             try:
@@ -420,6 +432,24 @@ class _Checker:
         if owner is None or owner.storage != owner.name or not _is_int(owner.nbytes) or owner.nbytes < 0:
             return False
         return _needed_bytes(v.shape, v.stride, v.dtype) <= owner.nbytes
+
+    def check_guards(self) -> None:
+        """Each guard runs on the plan's inputs' shapes (its values aside) within
+        the guard language's bounds.  A guard that reads a buffer or a size is
+        left to the runtime: only the model and the call know them."""
+        by_source = {v.source or v.name: v.name for v in self.p.values if v.kind == INPUT}
+        loc = ("header", -1, self.p.header.lines.get("guards", 0))
+        for guard in self.guards:
+            if any(kind != "input" for kind, _ in guard.reads):
+                continue
+            try:
+                fakes = {(kind, name): self.fake(by_source[name]) for kind, name in guard.reads}
+            except Exception:  # noqa: BLE001 (an input whose declared facts are wrong: reported on its line)
+                continue
+            problem = guard.shape_problem(fakes)
+            if problem:
+                self.err(loc, f"{problem}; guards are written by the tracer: restore the line, or compile the "
+                              "plan again")
 
     def fake(self, name: str):
         """A fake tensor with `name`'s declared facts, on its owner's fake

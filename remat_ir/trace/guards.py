@@ -12,6 +12,11 @@ program than the one eager runs on the same call.  While a step is traced:
 * a query of values (`bool(t)`, `t.item()`, `torch.equal`) on such a tensor
   is answered from the call's real tensors, by running its recipe on them,
   and recorded as a *guard*: `"aten.all.default(aten.eq.Scalar(input('attention_mask'), 1)) == True"`.
+  Only a recipe in the guard language (`remat_ir.ir.guards`: its ops, its
+  bounds) is a guard; any other is as a tensor without a recipe, and its query
+  fails as a data-dependent operation.  A recipe of literals alone (a mask
+  the model made with `torch.ones`) has the same value on every call: its
+  query is answered and recorded nowhere.
   The guard goes in the plan's header; the plan is that step only while its
   guards hold, so each call checks them (a few small ops on the inputs) and
   one where a guard fails runs another plan (`remat_ir.wrap` with a budget) or
@@ -37,7 +42,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from remat_ir.ir.guards import TRACED, GuardError, literal, mutates, run_op
+from remat_ir.ir.guards import TRACED, Guard, GuardError, literal, mutates, run_op
 
 __all__ = ["StepValues", "PROBES", "storage_of", "written_tensors"]
 
@@ -98,6 +103,22 @@ def _operand(a) -> str:
     return _text(a)
 
 
+_UNANSWERED = object()  # a query this trace cannot answer from values
+
+
+def _leaf_kinds(r, memo: dict) -> set:
+    """The kinds of leaf (input, buffer, size) recipe `r` reads."""
+    if isinstance(r, _Leaf):
+        return {r.kind}
+    if isinstance(r, (list, tuple)):
+        return set().union(*(_leaf_kinds(x, memo) for x in r))
+    if not isinstance(r, _Op):
+        return set()
+    if id(r) not in memo:
+        memo[id(r)] = _leaf_kinds([*r.args, *r.kwargs.values()], memo)
+    return memo[id(r)]
+
+
 def _evaluate(r, leaves: dict, memo: dict):
     if isinstance(r, _Leaf):
         return leaves[(r.kind, r.name)]
@@ -146,7 +167,9 @@ class StepValues(TorchDispatchMode):
         if name in _QUERIES:
             recipe = self._recipe(func, args, kwargs)
             if recipe is not None:
-                return self._answer(recipe)
+                value = self._answer(recipe)
+                if value is not _UNANSWERED:
+                    return value
         out = func(*args, **kwargs)
         if mutates(func):
             self._forget(func, args, kwargs)
@@ -200,17 +223,28 @@ class StepValues(TorchDispatchMode):
 
     def _answer(self, recipe: _Op):
         text = _text(recipe)
+        kinds = _leaf_kinds(recipe, {})
+        if not kinds & {"input", "buffer"}:
+            # Literals alone give the same value on every call this plan
+            # serves; sizes would not, and a guard must read a tensor.
+            return _UNANSWERED if kinds else _evaluate(recipe, {}, {})
+        try:
+            guard = Guard(f"{text} == True")
+        except GuardError:
+            return _UNANSWERED  # (outside the guard language: no plan could check it)
         if self.answers is not None:
             if text not in self.answers:
                 raise GuardError(f"the model's code reads the value of {text}, which the plan's guards do not "
                                  "record")
             value = self.answers[text]
         else:
-            try:
-                value = _evaluate(recipe, self.leaves, {})
-            except KeyError:
+            if any(key not in self.leaves for key in guard.reads):
                 raise GuardError(f"the model's code reads the value of {text}, which depends on a tensor "
-                                 "without values here") from None
+                                 "without values here")
+            try:
+                value = guard.expr(lambda kind, name: self.leaves[(kind, name)])
+            except GuardError:
+                return _UNANSWERED  # (past the guard language's bounds on this call)
         guard = f"{text} == {literal(value)}"
         if guard not in self.guards:
             self.guards.append(guard)
