@@ -108,6 +108,11 @@ def size_conditions(symbols: list[str]):
                      st.one_of(st.integers(0, 99).map(str), size_exprs(symbols).map(sz.size_text)))
 
 
+GUARDS = ["aten.all.default(aten.eq.Scalar(input('m'), 1)) == True", "traced() == False",
+          "aten._local_scalar_dense.default(aten.sum.default(input('attention_mask'))) == 12",
+          "aten.equal.default(buffer('rope.inv_freq'), input('f')) == False"]
+
+
 @st.composite
 def programs(draw) -> Program:
     header = Header(
@@ -126,8 +131,8 @@ def programs(draw) -> Program:
         autocast=draw(st.one_of(st.sampled_from(["", "cpu:bfloat16", "cuda:float16"]), any_text)),
         held_gradients=draw(st.booleans()),
         constants=draw(st.lists(st.one_of(st.just("scale=2.0"), any_text), max_size=2)),
-        guards=draw(st.lists(st.one_of(st.just("aten.all.default(aten.eq.Scalar(m, 1)) == True"), any_text),
-                             max_size=2)),
+        # (guards are read as the guard language: text outside it is refused, tests/test_guard_corpus.py)
+        guards=draw(st.lists(st.sampled_from(GUARDS), max_size=2)),
         comment=draw(st.lists(st.one_of(st.just(""), any_text, st.just(" padded "), st.just('"q"')),
                               max_size=3)),
     )

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
@@ -277,6 +278,18 @@ class _Reader:
         self.i = m.end()
         return self.decode(m.group(), i + 1)
 
+    def guard_string(self) -> str:
+        """A guard: a string in the guard language (`remat_ir.ir.guards`).
+        Text outside it is no plan, whatever the rest says: refused here, so
+        no stage ever holds a guard that could act."""
+        col = self.skip() + 1
+        text = self.string("a guard (a string)")
+        try:
+            Guard(text)
+        except GuardError as e:
+            raise self.error_at(self.n, col, f"{e} (the guard language: docs/01-plan-format.md, Guards)") from None
+        return text
+
     def word_value(self, expected: str) -> str:
         """A NAME or a STRING: a name that is never a keyword (module, source, ...)."""
         i = self.skip()
@@ -469,10 +482,10 @@ class _Reader:
                 self.i += 1
                 h.sizes.append(self.size_range())
         elif field in ("constants", "guards", "size_guards"):
-            items = [self.string()]
+            items = [self.guard_string() if field == "guards" else self.string()]
             while self.follows(","):
                 self.i += 1
-                items.append(self.string())
+                items.append(self.guard_string() if field == "guards" else self.string())
             setattr(h, field, items)
         elif field == "held_gradients":
             h.held_gradients = self.choice(("true", "false")) == "true"
