@@ -31,7 +31,8 @@ from remat_ir.ir.types import Program, Seq, Sym, Value
 
 __all__ = [
     "SizeError", "SizeRange", "bind_inputs", "bind_sizes", "check_sizes", "condition_holds", "evaluate", "expr_symbols",
-    "format_range", "instantiate", "is_symbolic", "parse_range", "python_code", "size_text",
+    "format_range", "instantiate", "is_symbolic", "parse_range", "python_code", "size_text", "evaluate_grid",
+    "conditions_grid", "degree",
 ]
 
 
@@ -169,6 +170,89 @@ def condition_holds(text: str, sizes: dict[str, int]) -> bool:
                 return False
             left = right
     return True
+
+
+def evaluate_grid(text: str | int, grid: dict):
+    """The expression at many sizes at once: `grid` maps each symbol to a
+    numpy int64 array (one entry per point), and so does the result.
+    Raises SizeError naming the first point where a divisor is zero."""
+    import numpy as np
+
+    n = len(next(iter(grid.values()))) if grid else 1
+    if type(text) is int:
+        return np.full(n, text, dtype=np.int64)
+
+    def ev(node):
+        t = type(node)
+        if t is ast.Constant:
+            return np.full(n, node.value, dtype=np.int64)
+        if t is ast.Name:
+            if node.id not in grid:
+                raise SizeError(f"no size given for the symbol {node.id}")
+            return grid[node.id]
+        if t is ast.BinOp:
+            a, b = ev(node.left), ev(node.right)
+            op = type(node.op)
+            if op is ast.Add:
+                return a + b
+            if op is ast.Sub:
+                return a - b
+            if op is ast.Mult:
+                return a * b
+            zero = np.flatnonzero(b == 0)
+            if len(zero):
+                k = zero[0]
+                at = ", ".join(f"{s}={int(v[k])}" for s, v in grid.items())
+                raise SizeError(f"a size expression divides by zero at {at}")
+            return a // b if op is ast.FloorDiv else a % b
+        if t is ast.UnaryOp:
+            return -ev(node.operand)
+        a, b = (ev(x) for x in node.args)
+        return np.maximum(a, b) if node.func.id == "max" else np.minimum(a, b)
+
+    return ev(_expr(text))
+
+
+def conditions_grid(texts: list[str], grid: dict):
+    """Where all the conditions hold, over `grid` (see `evaluate_grid`): a bool array."""
+    import numpy as np
+
+    n = len(next(iter(grid.values()))) if grid else 1
+    ok = np.ones(n, dtype=bool)
+    cmp = {ast.Eq: np.equal, ast.NotEq: np.not_equal, ast.Lt: np.less, ast.LtE: np.less_equal,
+           ast.Gt: np.greater, ast.GtE: np.greater_equal}
+    for text in texts:
+        for p in _condition(text):
+            left = evaluate_grid(ast.unparse(p.left), grid)
+            for op, right_node in zip(p.ops, p.comparators):
+                right = evaluate_grid(ast.unparse(right_node), grid)
+                ok &= cmp[type(op)](left, right)
+                left = right
+    return ok
+
+
+def degree(text: str | int, symbol: str) -> int:
+    """The degree of `symbol` in the expression, as a polynomial's (`//`,
+    `%`, `max`, `min` count as their operands' highest): how many sizes of
+    it a check at distinct points needs (degree + 1) to see every
+    polynomial disagreement."""
+    if type(text) is int:
+        return 0
+
+    def deg(node) -> int:
+        t = type(node)
+        if t is ast.Constant:
+            return 0
+        if t is ast.Name:
+            return int(node.id == symbol)
+        if t is ast.BinOp:
+            a, b = deg(node.left), deg(node.right)
+            return a + b if type(node.op) is ast.Mult else max(a, b)
+        if t is ast.UnaryOp:
+            return deg(node.operand)
+        return max(deg(x) for x in node.args)
+
+    return deg(_expr(text))
 
 
 def python_code(text: str | int, env: str = "S") -> str:
