@@ -57,6 +57,7 @@ from remat_ir.runtime.interpret import PlanRunner, WrappedModule, planner, unwra
 __all__ = ["AutoRemat", "cache_dir", "planner", "unwrap", "wrap"]
 
 _PROGRESS_AFTER_S = 2.0
+_FLOOR_OF_CALL = "the floor of this call:"  # (a plan's comment)
 
 
 def cache_dir() -> Path:
@@ -445,10 +446,9 @@ class AutoRemat(WrappedModule):
                             self._traced[id(runner)] = msgspec.structs.replace(
                                 traced, header=msgspec.structs.replace(traced.header, sizes=cached.header.sizes))
                         return runner
-                    print(f"remat-ir: the cached plan {path} does not serve this call ({why}): planning it "
-                          "again", file=sys.stderr)
-                except ValueError as e:
-                    print(f"remat-ir: ignoring the cached plan {path}: {e}", file=sys.stderr)
+                    _not_served(path, why)
+                except ValueError as e:  # (it does not verify)
+                    _not_served(path, str(e).splitlines()[0])
             effort = {} if o["effort"] is None else {"effort": o["effort"]}
             self.solves += o["budget"] is not None
             fit = dict(scope=o["scope"], time_limit=o["time_limit"], solver=o["solver"], **effort)
@@ -469,7 +469,9 @@ class AutoRemat(WrappedModule):
                 if cached is not None:
                     return PlanRunner(self.module, cached, self.loss_fn, check_model=False)
                 plan = self._fit_alone(program, fit)
-            if path is not None:
+            # A call's floor, run in place of the budget it cannot meet, is not what
+            # the request plans: a later process would find it and plan again anyway.
+            if path is not None and not any(c.startswith(_FLOOR_OF_CALL) for c in plan.header.comment):
                 _store(path, plan)
             runner = PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
             if traced is not None:
@@ -494,7 +496,7 @@ class AutoRemat(WrappedModule):
             print(f"remat-ir: this call's step cannot meet budget {o['budget']} ({str(e).splitlines()[0]}); "
                   "it runs by its floor plan, the least memory a plan of it holds", file=sys.stderr)
         plan = pipeline.fit(program, "floor", **fit)
-        plan.header.comment.append(f"the floor of this call: budget {o['budget']} ({o['scope']}) was below it")
+        plan.header.comment.append(f"{_FLOOR_OF_CALL} budget {o['budget']} ({o['scope']}) was below it")
         return plan
 
     def _path(self, program) -> Path:
@@ -533,30 +535,81 @@ def _class_fingerprint(program) -> str:
 
 
 def _load_cached(path: Path, program, options: dict):
-    """The plan at `path` if there is one made for the step `program` (as
-    traced: its fingerprint, optimizer and cost model) and for the request
-    `options` (budget and scope), else None, saying on stderr why a plan
-    found there is not used."""
+    """The plan at `path` if it serves the step `program` (as traced) for
+    the request `options`, else None, saying on stderr why a plan found there
+    is not used (`_not_serving`)."""
     from remat_ir.ir.files import load_cached
 
     plan = load_cached(path)
     if plan is None:
         return None
-    if _class_fingerprint(plan) != _class_fingerprint(program):
-        return None
-    problem = _cache_mismatch(plan.header, program.header, options)
-    if problem is not None:
-        print(f"remat-ir: ignoring the cached plan {path}: {problem}; planning again", file=sys.stderr)
+    try:
+        why = _not_serving(plan, program, options)
+    except ValueError as e:  # (an edited range the simulator cannot read)
+        why = str(e).splitlines()[0]
+    if why is not None:
+        _not_served(path, why)
         return None
     return plan
 
 
-def _cache_mismatch(cached, traced, options: dict) -> str | None:
+def _not_served(path: Path, why: str) -> None:
+    print(f"remat-ir: the cached plan {path} does not serve this call ({why}): planning it again", file=sys.stderr)
+
+
+def _not_serving(plan, program, options: dict) -> str | None:
+    """Why the cached `plan` is not the one planning `program` (as traced)
+    for `options` would give, or None: another step (fingerprint), another
+    request in its header (`_cache_mismatch`, the budget resolved to bytes as
+    planning resolves it), or a schedule whose simulated peak is over those
+    bytes.  A file of the cache is any request's plan, or edited: its name
+    proves nothing."""
+    from remat_ir import pipeline
+    from remat_ir.ir import sizes as sz
+
+    if _class_fingerprint(plan) != _class_fingerprint(program):
+        return f"made for another step: fingerprint {_class_fingerprint(plan)}, this step's {_class_fingerprint(program)}"
+    budget, scope = options["budget"], options["scope"]
+    nbytes = None
+    if budget is not None and not is_floor(budget):
+        # A fraction is of the traced step's unoptimized peak at the high end of the plan's range.
+        at = program
+        if sz.is_symbolic(plan):
+            import msgspec
+
+            ranged = msgspec.structs.replace(program, header=msgspec.structs.replace(program.header,
+                                                                                      sizes=plan.header.sizes))
+            at = sz.instantiate(ranged, sz.ends(ranged)[-1], refingerprint=False)
+        nbytes = pipeline.budget_bytes(at, budget, scope)
+    problem = _cache_mismatch(plan.header, program.header, options, nbytes)
+    if problem is not None or plan.header.budget is None:
+        return problem
+    peak = _simulated_peak(plan)
+    want = nbytes if nbytes is not None else plan.header.budget.bytes  # ("floor": the bytes it was made for)
+    if peak > want:
+        return f"its simulated peak is {peak} bytes ({plan.header.budget.scope}), over the {want} bytes asked"
+    return None
+
+
+def _simulated_peak(plan) -> int:
+    """The peak of `plan` in its budget's scope, at each end of its range,
+    first step or steady state, as the verifier checks a budget."""
+    from remat_ir.check.simulate import simulate
+    from remat_ir.ir import sizes as sz
+
+    programs = [sz.instantiate(plan, at, refingerprint=False) for at in sz.ends(plan)] if sz.is_symbolic(plan) \
+        else [plan]
+    return max(simulate(p, grads_present=gp, top_k=0).scope_peak(plan.header.budget.scope)
+               for p in programs for gp in (True, False))
+
+
+def _cache_mismatch(cached, traced, options: dict, nbytes: int | None = None) -> str | None:
     """How the header of a cached plan differs from what is asked (None when
     it does not): a plan without a budget for no budget; for a budget, one in
-    its scope, of its bytes when it is bytes or a size (a fraction of the
-    unoptimized peak and "floor" are resolved by planning, so only their
-    scope is checked); the traced step's optimizer and cost model."""
+    its scope, of the bytes asked (`nbytes`: the budget resolved for the
+    traced step; without it, a fraction and "floor" are resolved by planning,
+    so only their scope is checked); the traced step's optimizer and cost
+    model."""
     from remat_ir.ir.budgets import parse_budget
 
     have, want, scope = cached.budget, options["budget"], options["scope"]
@@ -570,7 +623,8 @@ def _cache_mismatch(cached, traced, options: dict) -> str | None:
             return f"made {made}, {asked}"
         if not is_floor(want):
             kind, amount = parse_budget(want)
-            if kind == "bytes" and have.bytes != amount:
+            amount = amount if kind == "bytes" else nbytes
+            if amount is not None and have.bytes != amount:
                 return f"made {made}, {asked}: {amount} bytes"
     if cached.optim != traced.optim:
         return f"made for optimizer {cached.optim}, asked {traced.optim}"
