@@ -26,11 +26,14 @@ The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
 loss), the planning options (budget, scope, optimizer, cost model, solver,
 effort, time limit) and the versions of torch and remat-ir, so a changed
 model, input or option never meets a stale plan.  Files are written
-atomically; a cached plan is used only when its header is what is asked
-(the step's fingerprint, optimizer and cost model; no budget for no budget,
-else a budget in the scope asked, of the bytes asked when they are bytes or
-a size), and is verified again before it runs; any other is planned afresh
-(saying why on stderr) and its file rewritten.
+atomically.  A file's name proves nothing (a file can be another request's
+plan, or edited): a cached plan is used only when its header is what is
+asked (the step's fingerprint, optimizer and cost model; no budget for no
+budget, else a budget in the scope asked, of the bytes the budget resolves
+to, a fraction as planning resolves it; "floor" is checked for its scope
+only, as only a search finds it), its simulated peak is within those bytes,
+and it verifies again; any other is planned afresh (saying why on stderr)
+and its file rewritten.
 
 Planning imports the optimizer (cvxpy) lazily; running a plan given
 explicitly does not.
