@@ -250,6 +250,15 @@ def test_scope_without_budget_is_refused(tmp_path, capsys):
     assert "\nbudget " not in (tmp_path / "p.rir").read_text()
 
 
+@pytest.mark.parametrize("autocast", ["cpu:float64", "cpu:float32"])
+def test_compile_refuses_an_autocast_dtype_autocast_does_not_take(tmp_path, capsys, autocast):
+    # torch.autocast on cpu disables itself for these: the plan was written, and no call could run it.
+    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--autocast", autocast]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("remat-compile: error: --autocast ") and "bfloat16 or float16" in err[0]
+    assert not (tmp_path / "p.rir").exists()
+
+
 @pytest.mark.parametrize("steps", ["0", "-1"])
 def test_run_refuses_steps_below_one(tiny_plan, capsys, steps):
     assert run_main([str(tiny_plan), "gpt2-tiny", "--steps", steps]) == 2

@@ -167,6 +167,10 @@ def _compile(argv) -> int:
         if autocast_device != args.device:
             raise CliError(f"--autocast {args.autocast} is for {autocast_device}, but the model is built on "
                            f"--device {args.device}")
+        from remat_ir.ir.header import autocast_problem
+
+        if autocast_problem(args.autocast, args.device):
+            raise CliError(f"--autocast {autocast_problem(args.autocast, args.device)}")
     pareto = args.pareto or args.pareto_points is not None or args.pareto_png is not None
     max_sizes = _max_sizes(args)
     if args.dynamic and (pareto or args.fake):
