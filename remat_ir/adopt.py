@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import numbers
 import os
 import sys
 import threading
@@ -175,7 +176,10 @@ class AutoRemat(WrappedModule):
         self.cache_plans = cache
         self.max_plans = max_plans
         self.dynamic = dynamic
-        self.max_shape = {k: tuple(v) for k, v in (max_shape or {}).items()}
+        self.max_shape = _check_max_shape(max_shape)
+        if self.max_shape and not dynamic:
+            raise ValueError("max_shape is the range of sizes a symbolic plan covers; with dynamic=False each "
+                             "shape gets a plan of its own: leave max_shape out")
         # (call structure, or shape class for a symbolic plan; guards) -> plan
         self.plans: OrderedDict[tuple, PlanRunner] = OrderedDict()
         # A symbolic plan's traced program (its unoptimized schedule: a
@@ -290,6 +294,15 @@ class AutoRemat(WrappedModule):
     def _dynamic_dims(self, call) -> dict[str, dict[int, str]]:
         from remat_ir.trace.calls import dynamic_dims
 
+        shapes = {n: t.shape for n, t in zip(call.names, call.tensors)}
+        for name, shape in self.max_shape.items():
+            # (A typo would leave the range at the sizes seen, and the budget's fraction of a smaller peak.)
+            if name not in shapes:
+                raise ValueError(f"max_shape names {name!r}, which this call passes no tensor as (it passes "
+                                 f"{', '.join(map(repr, shapes)) or 'none'})")
+            if len(shape) > len(shapes[name]):
+                raise ValueError(f"max_shape[{name!r}] has {len(shape)} sizes, but {name} has "
+                                 f"{len(shapes[name])} dimensions ({list(shapes[name])})")
         seen = self._seen.get(call.shape_class(), [])
         varying = {(n, d) for n, t, s in zip(call.names, call.tensors, seen) for d in range(t.dim())
                    if s[d] != t.shape[d]}
@@ -513,6 +526,27 @@ class AutoRemat(WrappedModule):
         facts = {"fingerprint": _class_fingerprint(program), "torch": torch.__version__,
                  "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _check_max_shape(max_shape) -> dict[str, tuple]:
+    """`max_shape` as input name -> sizes, each a positive int or None;
+    ValueError naming what is not."""
+    if max_shape is None:
+        return {}
+    if not isinstance(max_shape, dict):
+        raise TypeError(f"max_shape is a dict of input name -> shape, not {type(max_shape).__name__}")
+    out = {}
+    for name, shape in max_shape.items():
+        if not isinstance(name, str) or isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise ValueError(f"max_shape maps an input's name to a shape ({{'input_ids': (8, 512)}}), not "
+                             f"{name!r}: {shape!r}")
+        shape = tuple(shape)
+        bad = [x for x in shape if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1)]
+        if bad:
+            raise ValueError(f"max_shape[{name!r}] = {shape!r}: each size is a positive int (or None for one "
+                             f"left to the default), not {bad[0]!r}")
+        out[name] = tuple(x if x is None else int(x) for x in shape)
+    return out
 
 
 def _internal(e: Exception) -> bool:

@@ -671,3 +671,29 @@ def test_verbose_says_where_the_optimizers_time_went(tmp_path, capsys):
     assert any(line.startswith("  ") and " flat (MILP) solves: " in line for line in lines[summary + 2:])
     assert compile_main(["mlp", "-o", str(tmp_path / "again.rir"), "--budget", "0.8"]) == 0
     assert "where the optimizer's time went" not in capsys.readouterr().out
+
+
+def test_max_shape_refuses_an_unknown_name_and_sizes_that_are_none(tmp_path, monkeypatch):
+    # Both were ignored: the plan's range, and the budget's fraction of its peak, silently another.
+    import torch
+
+    import remat_ir
+
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    net, (x,), loss = _small_net()
+    for shape, says in (({"input": (-1, 8)}, r"max_shape\['input'\] = \(-1, 8\): each size is a positive int"),
+                        ({"input": (0,)}, "not 0"), ({"input": ("8",)}, "not '8'"), ({"input": 8}, "maps an input")):
+        with pytest.raises(ValueError, match=says):
+            remat_ir.wrap(net, loss=loss, max_shape=shape)
+    with pytest.raises(ValueError, match="with dynamic=False"):
+        remat_ir.wrap(net, loss=loss, max_shape={"input": (256, None)}, dynamic=False)
+    wrapped = remat_ir.wrap(net, loss=loss, max_shape={"nope": (256, None)})
+    with pytest.raises(ValueError, match="max_shape names 'nope', which this call passes no tensor as "
+                                         r"\(it passes 'input'\)"):
+        wrapped(x)
+    wrapped = remat_ir.wrap(net, loss=loss, max_shape={"input": (256, 8, 1)})
+    with pytest.raises(ValueError, match=r"max_shape\['input'\] has 3 sizes, but input has 2 dimensions"):
+        wrapped(x)
+    wrapped = remat_ir.wrap(net, loss=loss, max_shape={"input": (256, None)})
+    wrapped(x).backward()
+    assert torch.is_tensor(net[0].weight.grad)
