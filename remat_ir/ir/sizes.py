@@ -27,6 +27,7 @@ import re
 import msgspec
 
 from remat_ir.ir.fingerprint import fingerprint
+from remat_ir.ir.syntax import clip
 from remat_ir.ir.types import Program, Seq, Sym, Value
 
 __all__ = [
@@ -45,6 +46,8 @@ _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Mo
 _CMPOPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
 # Expressions come from shapes; a longer one is no plan's (and would make the checks slow).
 MAX_EXPR_CHARS = 2000
+# Nor is a deeper one; evaluating and printing recurse, so depth is bounded well below Python's stack.
+MAX_EXPR_DEPTH = 100
 
 
 # ------------------------------------------------------------------ reading
@@ -58,9 +61,17 @@ def _tree(text: str, mode: str):
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
-        raise SizeError(f"{text!r} is not a size {mode}: expected integers, symbols, + - * // %, "
+        raise SizeError(f"{clip(repr(text))} is not a size {mode}: expected integers, symbols, + - * // %, "
                         "max(a, b), min(a, b)" + (", compared with == != < <= > >= and joined by `and`"
                                                    if mode == "condition" else "")) from None
+    except (RecursionError, MemoryError):
+        raise SizeError(f"size {mode} {clip(repr(text))} is nested more than {MAX_EXPR_DEPTH} deep") from None
+    stack = [(tree, 1)]
+    while stack:
+        n, depth = stack.pop()
+        if depth > MAX_EXPR_DEPTH:
+            raise SizeError(f"size {mode} {clip(repr(text))} is nested more than {MAX_EXPR_DEPTH} deep")
+        stack += [(c, depth + 1) for c in ast.iter_child_nodes(n)]
     return tree
 
 
@@ -76,12 +87,12 @@ def _check_expr(node, text: str) -> None:
             pass
         elif isinstance(n, ast.Name):
             if n.id in _FUNCS:
-                raise SizeError(f"{text!r}: {n.id} is a function, not a size symbol")
+                raise SizeError(f"{clip(repr(text))}: {n.id} is a function, not a size symbol")
         elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _FUNCS
               and len(n.args) == 2 and not n.keywords):
             stack += list(n.args)
         else:
-            raise SizeError(f"{text!r} is not a size expression: {ast.unparse(n)!r} is not an integer, a symbol, "
+            raise SizeError(f"{clip(repr(text))} is not a size expression: {clip(repr(ast.unparse(n)))} is not an integer, a symbol, "
                             "+ - * // %, max(a, b) or min(a, b)")
 
 
@@ -98,7 +109,7 @@ def _condition(text: str):
     parts = tree.values if isinstance(tree, ast.BoolOp) and isinstance(tree.op, ast.And) else [tree]
     for p in parts:
         if not (isinstance(p, ast.Compare) and all(type(o) in _CMPOPS for o in p.ops)):
-            raise SizeError(f"{text!r} is not a size condition: expected comparisons of size expressions "
+            raise SizeError(f"{clip(repr(text))} is not a size condition: expected comparisons of size expressions "
                             "(== != < <= > >=) joined by `and`")
         for e in [p.left, *p.comparators]:
             _check_expr(e, text)
