@@ -113,6 +113,9 @@ def test_plan_for_another_model(tiny_plan, capsys):
     assert run_main([str(tiny_plan), "mlp", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "parameter" in err and "Traceback" not in err
+    # remat-verify --model says so with the same exit code (it said 1, as for an unsound plan).
+    assert verify_main([str(tiny_plan), "--model", "mlp"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_unsupported_op_is_named(tmp_path, capsys):
