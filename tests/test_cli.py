@@ -700,3 +700,24 @@ def test_max_shape_refuses_an_unknown_name_and_sizes_that_are_none(tmp_path, mon
     wrapped = remat_ir.wrap(net, loss=loss, max_shape={"input": (256, None)})
     wrapped(x).backward()
     assert torch.is_tensor(net[0].weight.grad)
+
+
+@pytest.mark.parametrize("budgets, says", [("0.5,abc", "--budgets 0.5,abc: 'abc' is no number"),
+                                           ("0.5,2", "--budgets 0.5,2: 2 is not a fraction in (0, 1]"),
+                                           (",", "--budgets names no budget")])
+def test_bench_budgets_that_cannot_be_read_name_the_flag(capsys, budgets, says):
+    from remat_ir.cli.commands import bench_main
+
+    assert bench_main(["--model", "mlp", "--budgets", budgets, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"remat-bench: error: {says}" + err[0].split(says, 1)[1]] and len(err) == 1, err
+
+
+def test_an_output_named_dash_is_refused(tmp_path, capsys, monkeypatch):
+    # It wrote a file named `-`; standard output carries the command's report.
+    monkeypatch.chdir(tmp_path)
+    assert compile_main(["mlp", "-o", "-", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["remat-compile: error: -o -: write to a file; standard output is where the command prints its "
+                   "report"]
+    assert not (tmp_path / "-").exists()
