@@ -26,11 +26,14 @@ The cache is a directory of `.rir` files: `$REMAT_IR_CACHE` when set, else
 loss), the planning options (budget, scope, optimizer, cost model, solver,
 effort, time limit) and the versions of torch and remat-ir, so a changed
 model, input or option never meets a stale plan.  Files are written
-atomically; a cached plan is used only when its header is what is asked
-(the step's fingerprint, optimizer and cost model; no budget for no budget,
-else a budget in the scope asked, of the bytes asked when they are bytes or
-a size), and is verified again before it runs; any other is planned afresh
-(saying why on stderr) and its file rewritten.
+atomically.  A file's name proves nothing (a file can be another request's
+plan, or edited): a cached plan is used only when its header is what is
+asked (the step's fingerprint, optimizer and cost model; no budget for no
+budget, else a budget in the scope asked, of the bytes the budget resolves
+to, a fraction as planning resolves it; "floor" is checked for its scope
+only, as only a search finds it), its simulated peak is within those bytes,
+and it verifies again; any other is planned afresh (saying why on stderr)
+and its file rewritten.
 
 Planning imports the optimizer (cvxpy) lazily; running a plan given
 explicitly does not.
@@ -40,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import numbers
 import os
 import sys
 import threading
@@ -57,6 +61,7 @@ from remat_ir.runtime.interpret import PlanRunner, WrappedModule, planner, unwra
 __all__ = ["AutoRemat", "cache_dir", "planner", "unwrap", "wrap"]
 
 _PROGRESS_AFTER_S = 2.0
+_FLOOR_OF_CALL = "the floor of this call:"  # (a plan's comment)
 
 
 def cache_dir() -> Path:
@@ -171,7 +176,10 @@ class AutoRemat(WrappedModule):
         self.cache_plans = cache
         self.max_plans = max_plans
         self.dynamic = dynamic
-        self.max_shape = {k: tuple(v) for k, v in (max_shape or {}).items()}
+        self.max_shape = _check_max_shape(max_shape)
+        if self.max_shape and not dynamic:
+            raise ValueError("max_shape is the range of sizes a symbolic plan covers; with dynamic=False each "
+                             "shape gets a plan of its own: leave max_shape out")
         # (call structure, or shape class for a symbolic plan; guards) -> plan
         self.plans: OrderedDict[tuple, PlanRunner] = OrderedDict()
         # A symbolic plan's traced program (its unoptimized schedule: a
@@ -288,6 +296,15 @@ class AutoRemat(WrappedModule):
     def _dynamic_dims(self, call) -> dict[str, dict[int, str]]:
         from remat_ir.trace.calls import dynamic_dims
 
+        shapes = {n: t.shape for n, t in zip(call.names, call.tensors)}
+        for name, shape in self.max_shape.items():
+            # (A typo would leave the range at the sizes seen, and the budget's fraction of a smaller peak.)
+            if name not in shapes:
+                raise ValueError(f"max_shape names {name!r}, which this call passes no tensor as (it passes "
+                                 f"{', '.join(map(repr, shapes)) or 'none'})")
+            if len(shape) > len(shapes[name]):
+                raise ValueError(f"max_shape[{name!r}] has {len(shape)} sizes, but {name} has "
+                                 f"{len(shapes[name])} dimensions ({list(shapes[name])})")
         seen = self._seen.get(call.shape_class(), [])
         varying = {(n, d) for n, t, s in zip(call.names, call.tensors, seen) for d in range(t.dim())
                    if s[d] != t.shape[d]}
@@ -456,10 +473,9 @@ class AutoRemat(WrappedModule):
                             self._traced[id(runner)] = msgspec.structs.replace(
                                 traced, header=msgspec.structs.replace(traced.header, sizes=cached.header.sizes))
                         return runner
-                    print(f"remat-ir: the cached plan {path} does not serve this call ({why}): planning it "
-                          "again", file=sys.stderr)
-                except ValueError as e:
-                    print(f"remat-ir: ignoring the cached plan {path}: {e}", file=sys.stderr)
+                    _not_served(path, why)
+                except ValueError as e:  # (it does not verify)
+                    _not_served(path, str(e).splitlines()[0])
             effort = {} if o["effort"] is None else {"effort": o["effort"]}
             self.solves += o["budget"] is not None
             fit = dict(scope=o["scope"], time_limit=o["time_limit"], solver=o["solver"], **effort)
@@ -480,7 +496,9 @@ class AutoRemat(WrappedModule):
                 if cached is not None:
                     return PlanRunner(self.module, cached, self.loss_fn, check_model=False)
                 plan = self._fit_alone(program, fit)
-            if path is not None:
+            # A call's floor, run in place of the budget it cannot meet, is not what
+            # the request plans: a later process would find it and plan again anyway.
+            if path is not None and not any(c.startswith(_FLOOR_OF_CALL) for c in plan.header.comment):
                 _store(path, plan)
             runner = PlanRunner(self.module, plan, self.loss_fn, check_model=False, check_plan=False)
             if traced is not None:
@@ -505,7 +523,7 @@ class AutoRemat(WrappedModule):
             print(f"remat-ir: this call's step cannot meet budget {o['budget']} ({str(e).splitlines()[0]}); "
                   "it runs by its floor plan, the least memory a plan of it holds", file=sys.stderr)
         plan = pipeline.fit(program, "floor", **fit)
-        plan.header.comment.append(f"the floor of this call: budget {o['budget']} ({o['scope']}) was below it")
+        plan.header.comment.append(f"{_FLOOR_OF_CALL} budget {o['budget']} ({o['scope']}) was below it")
         return plan
 
     def _path(self, program) -> Path:
@@ -525,6 +543,27 @@ def _one_size(program) -> bool:
     from remat_ir.ir import sizes as sz
 
     return all(r.low == r.high for r in sz.ranges(program).values())
+
+
+def _check_max_shape(max_shape) -> dict[str, tuple]:
+    """`max_shape` as input name -> sizes, each a positive int or None;
+    ValueError naming what is not."""
+    if max_shape is None:
+        return {}
+    if not isinstance(max_shape, dict):
+        raise TypeError(f"max_shape is a dict of input name -> shape, not {type(max_shape).__name__}")
+    out = {}
+    for name, shape in max_shape.items():
+        if not isinstance(name, str) or isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise ValueError(f"max_shape maps an input's name to a shape ({{'input_ids': (8, 512)}}), not "
+                             f"{name!r}: {shape!r}")
+        shape = tuple(shape)
+        bad = [x for x in shape if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1)]
+        if bad:
+            raise ValueError(f"max_shape[{name!r}] = {shape!r}: each size is a positive int (or None for one "
+                             f"left to the default), not {bad[0]!r}")
+        out[name] = tuple(x if x is None else int(x) for x in shape)
+    return out
 
 
 def _internal(e: Exception) -> bool:
@@ -550,30 +589,81 @@ def _class_fingerprint(program) -> str:
 
 
 def _load_cached(path: Path, program, options: dict):
-    """The plan at `path` if there is one made for the step `program` (as
-    traced: its fingerprint, optimizer and cost model) and for the request
-    `options` (budget and scope), else None, saying on stderr why a plan
-    found there is not used."""
+    """The plan at `path` if it serves the step `program` (as traced) for
+    the request `options`, else None, saying on stderr why a plan found there
+    is not used (`_not_serving`)."""
     from remat_ir.ir.files import load_cached
 
     plan = load_cached(path)
     if plan is None:
         return None
-    if _class_fingerprint(plan) != _class_fingerprint(program):
-        return None
-    problem = _cache_mismatch(plan.header, program.header, options)
-    if problem is not None:
-        print(f"remat-ir: ignoring the cached plan {path}: {problem}; planning again", file=sys.stderr)
+    try:
+        why = _not_serving(plan, program, options)
+    except ValueError as e:  # (an edited range the simulator cannot read)
+        why = str(e).splitlines()[0]
+    if why is not None:
+        _not_served(path, why)
         return None
     return plan
 
 
-def _cache_mismatch(cached, traced, options: dict) -> str | None:
+def _not_served(path: Path, why: str) -> None:
+    print(f"remat-ir: the cached plan {path} does not serve this call ({why}): planning it again", file=sys.stderr)
+
+
+def _not_serving(plan, program, options: dict) -> str | None:
+    """Why the cached `plan` is not the one planning `program` (as traced)
+    for `options` would give, or None: another step (fingerprint), another
+    request in its header (`_cache_mismatch`, the budget resolved to bytes as
+    planning resolves it), or a schedule whose simulated peak is over those
+    bytes.  A file of the cache is any request's plan, or edited: its name
+    proves nothing."""
+    from remat_ir import pipeline
+    from remat_ir.ir import sizes as sz
+
+    if _class_fingerprint(plan) != _class_fingerprint(program):
+        return f"made for another step: fingerprint {_class_fingerprint(plan)}, this step's {_class_fingerprint(program)}"
+    budget, scope = options["budget"], options["scope"]
+    nbytes = None
+    if budget is not None and not is_floor(budget):
+        # A fraction is of the traced step's unoptimized peak at the high end of the plan's range.
+        at = program
+        if sz.is_symbolic(plan):
+            import msgspec
+
+            ranged = msgspec.structs.replace(program, header=msgspec.structs.replace(program.header,
+                                                                                      sizes=plan.header.sizes))
+            at = sz.instantiate(ranged, sz.ends(ranged)[-1], refingerprint=False)
+        nbytes = pipeline.budget_bytes(at, budget, scope)
+    problem = _cache_mismatch(plan.header, program.header, options, nbytes)
+    if problem is not None or plan.header.budget is None:
+        return problem
+    peak = _simulated_peak(plan)
+    want = nbytes if nbytes is not None else plan.header.budget.bytes  # ("floor": the bytes it was made for)
+    if peak > want:
+        return f"its simulated peak is {peak} bytes ({plan.header.budget.scope}), over the {want} bytes asked"
+    return None
+
+
+def _simulated_peak(plan) -> int:
+    """The peak of `plan` in its budget's scope, at each end of its range,
+    first step or steady state, as the verifier checks a budget."""
+    from remat_ir.check.simulate import simulate
+    from remat_ir.ir import sizes as sz
+
+    programs = [sz.instantiate(plan, at, refingerprint=False) for at in sz.ends(plan)] if sz.is_symbolic(plan) \
+        else [plan]
+    return max(simulate(p, grads_present=gp, top_k=0).scope_peak(plan.header.budget.scope)
+               for p in programs for gp in (True, False))
+
+
+def _cache_mismatch(cached, traced, options: dict, nbytes: int | None = None) -> str | None:
     """How the header of a cached plan differs from what is asked (None when
     it does not): a plan without a budget for no budget; for a budget, one in
-    its scope, of its bytes when it is bytes or a size (a fraction of the
-    unoptimized peak and "floor" are resolved by planning, so only their
-    scope is checked); the traced step's optimizer and cost model."""
+    its scope, of the bytes asked (`nbytes`: the budget resolved for the
+    traced step; without it, a fraction and "floor" are resolved by planning,
+    so only their scope is checked); the traced step's optimizer and cost
+    model."""
     from remat_ir.ir.budgets import parse_budget
 
     have, want, scope = cached.budget, options["budget"], options["scope"]
@@ -587,7 +677,8 @@ def _cache_mismatch(cached, traced, options: dict) -> str | None:
             return f"made {made}, {asked}"
         if not is_floor(want):
             kind, amount = parse_budget(want)
-            if kind == "bytes" and have.bytes != amount:
+            amount = amount if kind == "bytes" else nbytes
+            if amount is not None and have.bytes != amount:
                 return f"made {made}, {asked}: {amount} bytes"
     if cached.optim != traced.optim:
         return f"made for optimizer {cached.optim}, asked {traced.optim}"

@@ -233,7 +233,7 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
                 stats.solves += r.solves
             nbytes = int(r.predicted_peak)
         else:
-            from remat_ir.optimize.search import resolve_budget
+            from remat_ir.check.simulate import resolve_budget
 
             try:
                 nbytes = int(resolve_budget(program, budget, scope))

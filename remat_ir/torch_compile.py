@@ -158,10 +158,12 @@ class Backend:
         path = self.cache_path(program) if self.cache else None
         cached = load_cached(path) if path is not None else None
         if cached is not None:
+            # The bytes the budget resolves to on the region's own graph, as planning resolves them.
+            own = program
             # The key is the region's own graph; a plan of its chunked loss names the chunked ops.
             if any(n.op == "remat.lm_head_nll.default" for n in cached.nodes):
                 chunk_loss()
-            plan = _usable_cached(path, cached, program)
+            plan = _usable_cached(path, cached, program, self._asked(own))
             if plan is not None:
                 self.cached.append(str(path))
                 return self._keep(plan, region)
@@ -189,6 +191,17 @@ class Backend:
         if path is not None:
             _store(path, plan)
         return self._keep(plan, region)
+
+    def _asked(self, program: Program) -> tuple[str, int | None] | None:
+        """What this backend asks of `program`'s plan: None (no budget), else
+        (scope, bytes: the budget resolved on it; None for "floor", which only
+        a search finds)."""
+        from remat_ir.ir.budgets import is_floor
+        from remat_ir.pipeline import budget_bytes
+
+        if self.budget is None:
+            return None
+        return self.scope, None if is_floor(self.budget) else budget_bytes(program, self.budget, self.scope)
 
     def _fit(self, program: Program, budget, name: str) -> Program:
         from remat_ir.optimize.search import Infeasible
@@ -277,21 +290,44 @@ def _loss_ops_fall_back() -> None:
                                    override_decomp=True)
 
 
-def _usable_cached(path, plan: Program, program: Program) -> Program | None:
-    """The cached `plan` when it is one for `program` (its fingerprint, the
-    graph it schedules) and verifies, else None (saying on stderr why a plan
-    found there is not used)."""
+def _usable_cached(path, plan: Program, program: Program, asked) -> Program | None:
+    """The cached `plan` when it serves `program` for what is `asked`
+    (`Backend._asked`), else None, saying on stderr why: it schedules the same
+    graph (fingerprint) with the same costs, its header's budget is the one
+    asked, in bytes, its simulated peak fits those bytes, and it verifies.  A
+    file of the cache is any request's plan, or edited: its name proves
+    nothing."""
     import sys
 
+    from remat_ir.check.simulate import simulate
     from remat_ir.check.verify import verify
 
-    if plan.header.fingerprint != program.header.fingerprint:
-        print(f"remat-ir: ignoring the cached plan {path}: made for another graph; planning again", file=sys.stderr)
-        return None
-    verdict = verify(plan)  # a file on disk can have been edited
-    if not verdict.ok:
-        print(f"remat-ir: ignoring the cached plan {path}: it does not verify ({verdict.errors[0]}); "
-              "planning again", file=sys.stderr)
+    def why() -> str | None:
+        if plan.header.fingerprint != program.header.fingerprint:
+            return "made for another graph"
+        if [n.flops for n in plan.nodes] != [n.flops for n in program.nodes]:
+            return "made with other costs (another inner compiler)"
+        have = plan.header.budget
+        made = "without a budget" if have is None else f"for a budget of {have.bytes} bytes ({have.scope})"
+        if asked is None and have is not None:
+            return f"made {made}, asked for no budget"
+        scope, nbytes = asked or (None, None)
+        if asked is not None and (have is None or have.scope != scope or nbytes not in (None, have.bytes)):
+            return f"made {made}, asked {f'{nbytes} bytes' if nbytes is not None else 'the floor'} ({scope})"
+        if have is not None:
+            try:
+                peak = max(simulate(plan, grads_present=gp, top_k=0).scope_peak(scope) for gp in (True, False))
+            except ValueError:
+                peak = 0  # (a schedule the simulator refuses: the verifier says why)
+            if peak > have.bytes:
+                return f"its simulated peak is {peak} bytes ({scope}), over the {have.bytes} bytes asked"
+        verdict = verify(plan)  # a file on disk can have been edited
+        return None if verdict.ok else f"it does not verify: {verdict.errors[0]}"
+
+    problem = why()
+    if problem is not None:
+        print(f"remat-ir: the cached plan {path} does not serve this call ({problem}): planning it again",
+              file=sys.stderr)
         return None
     return plan
 

@@ -270,13 +270,55 @@ def test_a_cached_plan_made_for_another_budget_is_not_used(tmp_path, monkeypatch
                            floor_file: ("floor", {"scope": "total"})}[victim]
         plan, written = _wrapped_step(tmp_path, budget, **options)
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"remat-ir: ignoring the cached plan {victim}: {says}; planning again"], err
+        assert err == [f"remat-ir: the cached plan {victim} does not serve this call ({says}): planning it "
+                       "again"], err
         assert written is None and victim.read_text() == texts[victim]  # the right plan, in its file
         assert plan.header.budget == remat_ir.load_plan(victim).header.budget
 
     # The right plans are used quietly.
     plan, _ = _wrapped_step(tmp_path, 0.8)
     assert _recomputes(plan) > 0 and capsys.readouterr().err == ""
+
+
+def test_a_cached_plan_for_another_fraction_or_an_edited_budget_is_planned_again(tmp_path, monkeypatch, capsys):
+    # Swapping the files of budget=0.8 and 0.95 ran the 0.95 plan for 0.8 (a
+    # fraction's bytes were not checked), and an edited budget line was trusted.
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    low, low_file = _wrapped_step(tmp_path, 0.8)
+    high, high_file = _wrapped_step(tmp_path, 0.95)
+    assert _recomputes(low) > _recomputes(high)
+    texts = {f: f.read_text() for f in (low_file, high_file)}
+    capsys.readouterr()
+
+    low_file.write_text(texts[high_file])
+    high_file.write_text(texts[low_file])
+    for file, budget, plan in ((low_file, 0.8, low), (high_file, 0.95, high)):
+        again, _ = _wrapped_step(tmp_path, budget)
+        theirs = remat_ir.load_plan(file).header.budget.bytes  # (rewritten with the right plan)
+        mine = plan.header.budget.bytes
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0].startswith(f"remat-ir: the cached plan {file} does not serve this call (made for a budget "
+                                 f"of "), err
+        assert err[0].endswith(f"asked budget {budget} (activations): {mine} bytes): planning it again"), err
+        assert again.header.budget.bytes == mine == theirs and _recomputes(again) == _recomputes(plan)
+
+    # A budget line edited to more than the plan was made for: planned again.
+    text = low_file.read_text()
+    edited = text.replace(f"budget {low.header.budget.bytes} ", "budget 999999999 ", 1)
+    assert edited != text
+    low_file.write_text(edited)
+    again, _ = _wrapped_step(tmp_path, 0.8)
+    err = capsys.readouterr().err
+    assert f"does not serve this call (made for a budget of 999999999 bytes (activations)" in err, err
+    assert again.header.budget == low.header.budget and low_file.read_text() == text
+
+    # The budget line right, the schedule another's (a peak over it): planned again, by the simulator.
+    edited = texts[high_file].replace(f"budget {high.header.budget.bytes} ", f"budget {low.header.budget.bytes} ", 1)
+    low_file.write_text(edited)
+    again, _ = _wrapped_step(tmp_path, 0.8)
+    err = capsys.readouterr().err
+    assert f"remat-ir: the cached plan {low_file} does not serve this call (" in err, err
+    assert again.header.budget == low.header.budget and _recomputes(again) == _recomputes(low)
 
 
 def test_cache_mismatch_names_the_optimizer_and_cost_model():

@@ -547,3 +547,57 @@ def test_inductor_loss_in_row_chunks_within_tolerance():
     ops = {n.op for n in be.plans[0].nodes}
     assert {"remat.lm_head_nll.default", "remat.lm_head_nll_backward.default"} <= ops
     check_plan_file(be.plans[0])
+
+
+def _deep():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())])
+
+
+def test_a_cached_plan_for_another_request_or_an_edited_budget_is_planned_again(capsys):
+    """The cache's files swapped between budgets 0.8 and 0.95, or a budget
+    line edited, ran the plan found (the file's name was trusted): each is
+    planned again, saying why on one line."""
+    from remat_ir.adopt import cache_dir
+
+    def compile_once(budget):
+        torch._dynamo.reset()
+        be = remat_ir.backend(budget=budget, inner="aot_eager")
+        torch.compile(_deep(), backend=be, dynamic=False)(torch.randn(32, 64)).sum().backward()
+        (path,) = [p for p in cache_dir().glob("torch-compile-*.rir") if p not in seen]
+        return be, path
+
+    seen: set = set()
+    low, low_file = compile_once(0.8)
+    seen.add(low_file)
+    high, high_file = compile_once(0.95)
+    recomputes = [sum(i.kind == "recompute" for i in be.plans[0].backward) for be in (low, high)]
+    assert recomputes[0] > recomputes[1]
+    texts = {low_file: low_file.read_text(), high_file: high_file.read_text()}
+    seen = set()
+
+    def again(budget, file, says):
+        capsys.readouterr()
+        torch._dynamo.reset()
+        be = remat_ir.backend(budget=budget, inner="aot_eager")
+        torch.compile(_deep(), backend=be, dynamic=False)(torch.randn(32, 64)).sum().backward()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"remat-ir: the cached plan {file} does not serve this call ({says}): planning it again"]
+        assert be.solves == 1 and be.cached == [] and file.read_text() == texts[file]
+        return be
+
+    nbytes = {f: load_plan(f).header.budget.bytes for f in texts}
+    low_file.write_text(texts[high_file])
+    high_file.write_text(texts[low_file])
+    again(0.8, low_file, f"made for a budget of {nbytes[high_file]} bytes (activations), asked "
+                         f"{nbytes[low_file]} bytes (activations)")
+    again(0.95, high_file, f"made for a budget of {nbytes[low_file]} bytes (activations), asked "
+                           f"{nbytes[high_file]} bytes (activations)")
+    low_file.write_text(texts[low_file].replace(f"budget {nbytes[low_file]} ", "budget 999999999 ", 1))
+    again(0.8, low_file, f"made for a budget of 999999999 bytes (activations), asked {nbytes[low_file]} bytes "
+                         "(activations)")
+    # The budget line right, the schedule another's: its simulated peak is over it.
+    low_file.write_text(texts[high_file].replace(f"budget {nbytes[high_file]} ", f"budget {nbytes[low_file]} ", 1))
+    peak = max(simulate(high.plans[0], grads_present=gp).scope_peak("activations") for gp in (True, False))
+    again(0.8, low_file, f"its simulated peak is {peak} bytes (activations), over the {nbytes[low_file]} bytes asked")

@@ -133,6 +133,6 @@ def test_remat_verify_with_the_model_names_the_line_that_differs(tmp_path, capsy
     out = capsys.readouterr().out
     node = next(i for i, ln in enumerate(text.splitlines(), 1) if "aten.relu.default" in ln)
     assert f"{edited}:line {node}:" in out and "aten.sigmoid.default" in out and "aten.relu.default" in out
-    # The plan unedited, the model changed.
-    assert verify_main([str(plan), "--model", str(new)]) == 1
+    # The plan unedited, the model changed: bad input (exit 2), as remat-run says it.
+    assert verify_main([str(plan), "--model", str(new)]) == 2
     assert f"{plan}:line {node}:" in capsys.readouterr().out

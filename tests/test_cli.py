@@ -113,6 +113,9 @@ def test_plan_for_another_model(tiny_plan, capsys):
     assert run_main([str(tiny_plan), "mlp", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "parameter" in err and "Traceback" not in err
+    # remat-verify --model says so with the same exit code (it said 1, as for an unsound plan).
+    assert verify_main([str(tiny_plan), "--model", "mlp"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_unsupported_op_is_named(tmp_path, capsys):
@@ -248,6 +251,15 @@ def test_scope_without_budget_is_refused(tmp_path, capsys):
     assert not (tmp_path / "p.rir").exists()
     assert compile_main(["mlp", "--fake", "-o", str(tmp_path / "p.rir"), "--scope", "activations", "--quiet"]) == 0
     assert "\nbudget " not in (tmp_path / "p.rir").read_text()
+
+
+@pytest.mark.parametrize("autocast", ["cpu:float64", "cpu:float32"])
+def test_compile_refuses_an_autocast_dtype_autocast_does_not_take(tmp_path, capsys, autocast):
+    # torch.autocast on cpu disables itself for these: the plan was written, and no call could run it.
+    assert compile_main(["mlp", "-o", str(tmp_path / "p.rir"), "--autocast", autocast]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("remat-compile: error: --autocast ") and "bfloat16 or float16" in err[0]
+    assert not (tmp_path / "p.rir").exists()
 
 
 @pytest.mark.parametrize("steps", ["0", "-1"])
@@ -662,3 +674,50 @@ def test_verbose_says_where_the_optimizers_time_went(tmp_path, capsys):
     assert any(line.startswith("  ") and " flat (MILP) solves: " in line for line in lines[summary + 2:])
     assert compile_main(["mlp", "-o", str(tmp_path / "again.rir"), "--budget", "0.8"]) == 0
     assert "where the optimizer's time went" not in capsys.readouterr().out
+
+
+def test_max_shape_refuses_an_unknown_name_and_sizes_that_are_none(tmp_path, monkeypatch):
+    # Both were ignored: the plan's range, and the budget's fraction of its peak, silently another.
+    import torch
+
+    import remat_ir
+
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    net, (x,), loss = _small_net()
+    for shape, says in (({"input": (-1, 8)}, r"max_shape\['input'\] = \(-1, 8\): each size is a positive int"),
+                        ({"input": (0,)}, "not 0"), ({"input": ("8",)}, "not '8'"), ({"input": 8}, "maps an input")):
+        with pytest.raises(ValueError, match=says):
+            remat_ir.wrap(net, loss=loss, max_shape=shape)
+    with pytest.raises(ValueError, match="with dynamic=False"):
+        remat_ir.wrap(net, loss=loss, max_shape={"input": (256, None)}, dynamic=False)
+    wrapped = remat_ir.wrap(net, loss=loss, max_shape={"nope": (256, None)})
+    with pytest.raises(ValueError, match="max_shape names 'nope', which this call passes no tensor as "
+                                         r"\(it passes 'input'\)"):
+        wrapped(x)
+    wrapped = remat_ir.wrap(net, loss=loss, max_shape={"input": (256, 8, 1)})
+    with pytest.raises(ValueError, match=r"max_shape\['input'\] has 3 sizes, but input has 2 dimensions"):
+        wrapped(x)
+    wrapped = remat_ir.wrap(net, loss=loss, max_shape={"input": (256, None)})
+    wrapped(x).backward()
+    assert torch.is_tensor(net[0].weight.grad)
+
+
+@pytest.mark.parametrize("budgets, says", [("0.5,abc", "--budgets 0.5,abc: 'abc' is no number"),
+                                           ("0.5,2", "--budgets 0.5,2: 2 is not a fraction in (0, 1]"),
+                                           (",", "--budgets names no budget")])
+def test_bench_budgets_that_cannot_be_read_name_the_flag(capsys, budgets, says):
+    from remat_ir.cli.commands import bench_main
+
+    assert bench_main(["--model", "mlp", "--budgets", budgets, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"remat-bench: error: {says}" + err[0].split(says, 1)[1]] and len(err) == 1, err
+
+
+def test_an_output_named_dash_is_refused(tmp_path, capsys, monkeypatch):
+    # It wrote a file named `-`; standard output carries the command's report.
+    monkeypatch.chdir(tmp_path)
+    assert compile_main(["mlp", "-o", "-", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["remat-compile: error: -o -: write to a file; standard output is where the command prints its "
+                   "report"]
+    assert not (tmp_path / "-").exists()

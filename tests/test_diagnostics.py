@@ -283,3 +283,20 @@ def test_matcher_rejects_mismatches():
     assert any("parsed" in p for p in check_parse(PLAN + "# expected-error {{x}}\n"))
     assert any("exactly one" in p for p in check_parse(PLAN))
     assert any("must parse" in p for p in check_verify(line))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "verify").glob("header-*.rir")), ids=lambda p: p.name)
+def test_the_runtime_refuses_exactly_the_header_lines_the_verifier_does(path: Path):
+    """A header's autocast and constants: what `remat-verify` calls sound is
+    what the runtime runs (one statement of them, `remat_ir.ir.header`)."""
+    from remat_ir.runtime.bind import PlanMismatch, check_header
+
+    text = path.read_text()
+    expected = parse_expectations(text)
+    program = parse_program(text, str(path))
+    if not expected:
+        check_header(program)
+        return
+    with pytest.raises(PlanMismatch) as info:
+        check_header(program)
+    assert info.value.line == expected[0].line and expected[0].text in str(info.value)

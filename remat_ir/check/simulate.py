@@ -33,7 +33,9 @@ from remat_ir.ir import (
     BACKWARD, BUFFER, COMPUTE, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
     DTYPE_BYTES, Program, hand_overs, node_inputs,
 )
-from remat_ir.ir.types import OPTIMIZER_STATES
+from remat_ir.ir.budgets import budget_int, parse_budget
+from remat_ir.ir.schedule import default_schedule
+from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES
 
 # Breakdown categories, in the order tables print them.
 PARAMS = "parameters"
@@ -281,6 +283,34 @@ def caller_held_bytes(program: Program) -> int:
     storages = {values[o.value].storage for o in program.outputs if o.kind == RESULT}
     held = sum(values[s].nbytes for s in storages if s in produced and values[s].shape)
     return held + sum(v.nbytes for v in program.values if v.kind == TANGENT and v.shape)
+
+
+def unoptimized_peak(program: Program, scope: str = DEFAULT_SCOPE) -> int:
+    """Peak in `scope` of the default schedule (compute in order, free after
+    last use): the larger of the first step's (no `.grad`) and the steady
+    state's."""
+    fwd, bwd = default_schedule(program)
+    base = Program(header=program.header, values=program.values, nodes=program.nodes,
+                   forward=fwd, backward=bwd, outputs=program.outputs)
+    return max(simulate(base, grads_present=gp, top_k=0).scope_peak(scope) for gp in (True, False))
+
+
+def resolve_budget(program: Program, text: str | int | float, scope: str = DEFAULT_SCOPE) -> int:
+    """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
+    a fraction: "0.5", "50%".  A fraction f is of what a plan can cut: the
+    bytes the caller holds whatever the schedule (`caller_held_bytes`: the
+    results, logits or a cache, and their tangents) plus f of the rest of the
+    unoptimized peak in the scope.  Raises ValueError when it cannot be read,
+    or is not a positive, finite number of bytes that fits a 64-bit integer:
+    `remat_ir.ir.budgets.parse_budget`.  (Here, not in the optimizer, so that
+    a cached plan is checked against the bytes planning would aim at without
+    loading the optimizer.)"""
+    kind, amount = parse_budget(text)
+    if kind == "fraction":
+        peak = unoptimized_peak(program, scope)
+        held = min(caller_held_bytes(program), peak)
+        return budget_int(held + amount * (peak - held), text)
+    return int(amount)
 
 
 def obeys_layout_contract(grad, param) -> bool:

@@ -53,6 +53,7 @@ import logging
 import re
 
 from remat_ir.ir.guards import Guard, GuardError
+from remat_ir.ir.header import header_problems
 from remat_ir.ir.ops import autocast_off, fake_kernels
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.types import (
@@ -234,6 +235,8 @@ class _Checker:
                                            f"per trainable parameter, {want} bytes for this plan's "
                                            f"parameters, but the header says {h.optim_state_bytes} bytes; "
                                            f"write `optimizer {h.optim} {want} bytes`")
+        for field, message in header_problems(h):
+            self.err(loc(field), message)
         inputs = {v.source or v.name for v in self.p.values if v.kind == INPUT}
         for g in h.guards:
             try:

@@ -240,6 +240,9 @@ def _verify_symbolic(program: Program, max_errors: int, graph: bool) -> Verdict:
             try:
                 concrete = sz.instantiate(program, at)
             except sz.SizeError as e:
+                if e.line or e.section:  # a value's or node's own expression
+                    found.setdefault((e.line, str(e), e.section, e.index), []).append(_at(at))
+                    continue
                 errors.append(Diagnostic(h.lines.get("size_guards", h.lines.get("sizes", 0)),
                                          f"at {_at(at)}, an end of the plan's range: {e}; the plan is verified "
                                          "at the ends of its range, so they must pass its size guards", "header"))

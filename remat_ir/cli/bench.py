@@ -62,6 +62,7 @@ from remat_ir.cli.methods import method_specs, select
 from remat_ir.cli.outputs import check_outputs, model_file
 from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT
 from remat_ir.ir.files import write_atomically
+from remat_ir.ir.syntax import clip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,9 +132,17 @@ def _main(argv) -> int:
     check_outputs([("--md", args.md), ("--json", args.json), ("--png", args.png)],
                   [("the model file", model_file(args.model))], images=["--png"])
     try:
-        budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-        if any(not (0 < b <= 1) for b in budgets):
-            raise ValueError("budgets are fractions in (0, 1]")
+        budgets = []
+        for b in (b for b in args.budgets.split(",") if b.strip()):
+            try:
+                budgets.append(float(b))
+            except ValueError:
+                raise ValueError(f"--budgets {clip(args.budgets)}: {clip(repr(b.strip()))} is no number; "
+                                 "write fractions of the unoptimized peak, 0.7,0.5,0.3") from None
+            if not (0 < budgets[-1] <= 1):
+                raise ValueError(f"--budgets {clip(args.budgets)}: {clip(b.strip())} is not a fraction in (0, 1]")
+        if not budgets:
+            raise ValueError("--budgets names no budget; write fractions of the unoptimized peak, 0.7,0.5,0.3")
         specs = select(method_specs(budgets), args.methods)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but no CUDA device is available")

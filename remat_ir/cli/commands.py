@@ -167,6 +167,10 @@ def _compile(argv) -> int:
         if autocast_device != args.device:
             raise CliError(f"--autocast {args.autocast} is for {autocast_device}, but the model is built on "
                            f"--device {args.device}")
+        from remat_ir.ir.header import autocast_problem
+
+        if autocast_problem(args.autocast, args.device):
+            raise CliError(f"--autocast {autocast_problem(args.autocast, args.device)}")
     pareto = args.pareto or args.pareto_points is not None or args.pareto_png is not None
     max_sizes = _max_sizes(args)
     if args.dynamic and (pareto or args.fake):
@@ -353,6 +357,7 @@ def _verify(argv) -> int:
                 shown = sz.instantiate(program, ends[-1], refingerprint=False)
         except sz.SizeError:
             over = f" over its range {', '.join(program.header.sizes)}"
+    failed = EXIT_FAIL
     if args.model is not None:
         from remat_ir.runtime.bind import PlanMismatch, check_graph
         from remat_ir.runtime.load import load_model
@@ -363,6 +368,9 @@ def _verify(argv) -> int:
         except PlanMismatch as e:
             from remat_ir.check.verify import Diagnostic
 
+            # A sound plan for another model (or its old code) is bad input, as remat-run says; an
+            # unsound one stays unsound.
+            failed = EXIT_INPUT if verdict.ok else EXIT_FAIL
             verdict.ok = False
             verdict.errors.insert(0, Diagnostic(e.line, str(e), "nodes"))
     if args.json:
@@ -372,13 +380,13 @@ def _verify(argv) -> int:
             out["predicted_first_step_peak_bytes"] = verdict.report_first_step.peak_bytes
             out["activation_peak_bytes"] = verdict.report.activation_peak_bytes
         print(json.dumps(out))
-        return EXIT_OK if verdict.ok else EXIT_FAIL
+        return EXIT_OK if verdict.ok else failed
     if not verdict.ok:
         for d in verdict.errors:
             print(f"{args.plan}:{d}")
         print(f"remat-verify: {args.plan}: UNSOUND ({len(verdict.errors)} error"
               f"{'s' if len(verdict.errors) != 1 else ''}){over}")
-        return EXIT_FAIL
+        return failed
     if over:
         print(f"memory at the high end of the range ({', '.join(f'{k}={v}' for k, v in sz.ends(program)[-1].items())}):")
     print(breakdown(shown, verdict.report, verdict.report_first_step))

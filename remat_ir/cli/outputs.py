@@ -56,6 +56,9 @@ def check_outputs(outputs: Iterable[tuple[str, str | None]], inputs: Iterable[tu
     images = set(images)
     seen: list[tuple[str, str]] = []
     for flag, path in outputs:
+        if path == "-":
+            # (Standard output carries the command's own report: a file named `-` was written instead.)
+            raise CliError(f"{flag} -: write to a file; standard output is where the command prints its report")
         problem = output_problem(path)
         if problem is not None:
             raise CliError(f"cannot write {path}: {problem}")

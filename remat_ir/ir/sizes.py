@@ -37,7 +37,13 @@ __all__ = [
 
 
 class SizeError(ValueError):
-    """A size expression, range or condition that is not in the language, or sizes that do not fit."""
+    """A size expression, range or condition that is not in the language, or
+    sizes that do not fit; `line`, `section`, `index`: the value or node of a
+    program whose expression it is (0, "", -1: none)."""
+
+    def __init__(self, message: str, line: int = 0, section: str = "", index: int = -1):
+        super().__init__(message)
+        self.line, self.section, self.index = line, section, index
 
 
 SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -46,9 +52,16 @@ _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Mo
 _CMPOPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
 # Expressions come from shapes; a longer one is no plan's (and would make the checks slow).
 MAX_EXPR_CHARS = 2000
+# Nor is a deeper one; evaluating and printing recurse, so depth is bounded well below Python's stack.
+MAX_EXPR_DEPTH = 100
 
 
 # ------------------------------------------------------------------ reading
+
+
+def _shown(text: str) -> str:
+    """`text` quoted, cut short when long: messages echo expressions of up to MAX_EXPR_CHARS."""
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
 
 
 def _tree(text: str, mode: str):
@@ -59,9 +72,17 @@ def _tree(text: str, mode: str):
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
-        raise SizeError(f"{text!r} is not a size {mode}: expected integers, symbols, + - * // %, "
+        raise SizeError(f"{_shown(text)} is not a size {mode}: expected integers, symbols, + - * // %, "
                         "max(a, b), min(a, b)" + (", compared with == != < <= > >= and joined by `and`"
                                                    if mode == "condition" else "")) from None
+    except (RecursionError, MemoryError):
+        raise SizeError(f"size {mode} {_shown(text)} is nested more than {MAX_EXPR_DEPTH} deep") from None
+    stack = [(tree, 1)]
+    while stack:
+        n, depth = stack.pop()
+        if depth > MAX_EXPR_DEPTH:
+            raise SizeError(f"size {mode} {_shown(text)} is nested more than {MAX_EXPR_DEPTH} deep")
+        stack += [(c, depth + 1) for c in ast.iter_child_nodes(n)]
     return tree
 
 
@@ -77,13 +98,13 @@ def _check_expr(node, text: str) -> None:
             pass
         elif isinstance(n, ast.Name):
             if n.id in _FUNCS:
-                raise SizeError(f"{text!r}: {n.id} is a function, not a size symbol")
+                raise SizeError(f"{_shown(text)}: {n.id} is a function, not a size symbol")
         elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _FUNCS
               and len(n.args) == 2 and not n.keywords):
             stack += list(n.args)
         else:
-            raise SizeError(f"{text!r} is not a size expression: {ast.unparse(n)!r} is not an integer, a symbol, "
-                            "+ - * // %, max(a, b) or min(a, b)")
+            raise SizeError(f"{_shown(text)} is not a size expression: {_shown(ast.unparse(n))} is not an integer, "
+                            "a symbol, + - * // %, max(a, b) or min(a, b)")
 
 
 @functools.lru_cache(maxsize=65536)
@@ -99,7 +120,7 @@ def _condition(text: str):
     parts = tree.values if isinstance(tree, ast.BoolOp) and isinstance(tree.op, ast.And) else [tree]
     for p in parts:
         if not (isinstance(p, ast.Compare) and all(type(o) in _CMPOPS for o in p.ops)):
-            raise SizeError(f"{text!r} is not a size condition: expected comparisons of size expressions "
+            raise SizeError(f"{_shown(text)} is not a size condition: expected comparisons of size expressions "
                             "(== != < <= > >=) joined by `and`")
         for e in [p.left, *p.comparators]:
             _check_expr(e, text)
@@ -431,18 +452,24 @@ def instantiate(program: Program, sizes: dict[str, int], *, refingerprint: bool 
     if why:
         raise SizeError(why)
     values = []
-    for v in program.values:
+    for i, v in enumerate(program.values):
         if any(type(d) is not int for d in v.shape) or any(type(s) is not int for s in v.stride) \
                 or type(v.nbytes) is not int:
-            v = msgspec.structs.replace(
-                v, shape=[evaluate(d, sizes) for d in v.shape], stride=[evaluate(s, sizes) for s in v.stride],
-                nbytes=evaluate(v.nbytes, sizes))
+            try:
+                v = msgspec.structs.replace(
+                    v, shape=[evaluate(d, sizes) for d in v.shape], stride=[evaluate(s, sizes) for s in v.stride],
+                    nbytes=evaluate(v.nbytes, sizes))
+            except SizeError as e:  # (said at the value's line, not the header's)
+                raise SizeError(f"value {v.name}: {e}", v.line, "values", i) from None
         values.append(v)
     nodes = []
-    for n in program.nodes:
+    for i, n in enumerate(program.nodes):
         if _has_sym(n.args) or _has_sym(n.kwargs.values()):
-            n = msgspec.structs.replace(n, args=[_arg(a, sizes) for a in n.args],
-                                        kwargs={k: _arg(a, sizes) for k, a in n.kwargs.items()})
+            try:
+                n = msgspec.structs.replace(n, args=[_arg(a, sizes) for a in n.args],
+                                            kwargs={k: _arg(a, sizes) for k, a in n.kwargs.items()})
+            except SizeError as e:
+                raise SizeError(f"node {n.name}: {e}", n.line, "nodes", i) from None
         nodes.append(n)
     # A concrete program of its own: no range, and the fingerprint of what it now says
     # (the lines it came from kept, so messages about it point into the plan's text).

@@ -31,47 +31,21 @@ import time
 
 import msgspec
 
-from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, caller_held_bytes, simulate
+from remat_ir.check.simulate import GRADIENTS, OPTIMIZER, PARAMS, simulate
+# (In the simulator, which a cached plan's check reads without the optimizer; re-exported.)
+from remat_ir.check.simulate import resolve_budget, unoptimized_peak  # noqa: F401
 from remat_ir.ir import Budget, Program
-from remat_ir.ir.budgets import budget_int, parse_budget
 from remat_ir.ir.printer import human_bytes
-from remat_ir.ir.schedule import default_schedule
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize import decomposed as _decomposed
 from remat_ir.optimize import flat as _flat
-from remat_ir.optimize.family import apply_plan, occupancy, simulated_peak
+from remat_ir.optimize.family import apply_plan, occupancy
 from remat_ir.optimize.problem import (
     EFFORTS, Floor, Infeasible, Memo, OptimizeResult, Plan, Problem, Run, Settings,
 )
 
 __all__ = ["EFFORTS", "Infeasible", "Memo", "OptimizeResult", "Problem", "Settings", "decomposed", "flat",
            "floor", "optimize", "resolve_budget", "unoptimized_peak"]
-
-
-# ---------------------------------------------------------------- budgets
-
-def unoptimized_peak(program: Program, scope: str = DEFAULT_SCOPE) -> int:
-    """Peak of the default schedule (compute in order, free after last use)."""
-    fwd, bwd = default_schedule(program)
-    base = Program(header=program.header, values=program.values, nodes=program.nodes,
-                   forward=fwd, backward=bwd, outputs=program.outputs)
-    return simulated_peak(base, scope)[0]
-
-
-def resolve_budget(program: Program, text: str | int | float, scope: str = DEFAULT_SCOPE) -> int:
-    """Bytes of a budget given as "1.5GiB", "800MB" (SI), "123456" (bytes), or
-    a fraction: "0.5", "50%".  A fraction f is of what a plan can cut: the
-    bytes the caller holds whatever the schedule (`caller_held_bytes`: the
-    results, logits or a cache, and their tangents) plus f of the rest of the
-    unoptimized peak in the scope.  Raises ValueError when it cannot be read,
-    or is not a positive, finite number of bytes that fits a 64-bit integer:
-    `remat_ir.ir.budgets.parse_budget`."""
-    kind, amount = parse_budget(text)
-    if kind == "fraction":
-        peak = unoptimized_peak(program, scope)
-        held = min(caller_held_bytes(program), peak)
-        return budget_int(held + amount * (peak - held), text)
-    return int(amount)
 
 
 # ---------------------------------------------------------------- arguments

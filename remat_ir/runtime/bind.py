@@ -98,6 +98,18 @@ def check_device(program: Program) -> None:
                            f"--device {program.header.device} on one that has it")
 
 
+def check_header(program: Program) -> None:
+    """Refuse a plan whose header says the step runs under an autocast, or
+    with constants, that no call can have (`remat_ir.ir.header`, as the
+    verifier reads them), naming the line."""
+    from remat_ir.ir.header import header_problems
+
+    problems = header_problems(program.header)
+    if problems:
+        field, message = problems[0]
+        raise PlanMismatch(f"the plan's {message}", program.header.lines.get(field, 0))
+
+
 def autocast_differs(plan_autocast: str, call_autocast: str) -> str:
     """How the autocast a step runs under (`call_autocast`, "cpu:bfloat16" or
     "" for none) differs from the one its plan was traced under, naming both;

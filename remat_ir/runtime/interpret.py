@@ -29,8 +29,8 @@ from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program, hand_overs
 from remat_ir.runtime.bind import (
-    LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_parameters, check_sound, constants_differ,
-    own_class,
+    LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_header, check_parameters,
+    check_sound, constants_differ, own_class,
 )
 from remat_ir.trace.calls import autocast_off, split_call
 from remat_ir.trace.live import tracing
@@ -355,6 +355,7 @@ class PlanRunner:
         if check_plan:
             check_sound(program)
         check_device(program)
+        check_header(program)
         self.live_reads: list = []  # what the model's check read of its Python state
         if check_model:
             check_graph(model, program, loss_fn, self.live_reads)

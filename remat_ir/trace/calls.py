@@ -29,7 +29,6 @@ traced under one runs only under the same (`autocast_state`).
 """
 from __future__ import annotations
 
-import ast
 import inspect
 import math
 import re
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from remat_ir.ir.header import read_literal
 from remat_ir.ir.ops import autocast_off  # noqa: F401 - (re-exported: the tracer and the runtime use it from here)
 from remat_ir.trace.symbolic import dense
 
@@ -299,24 +299,14 @@ def rebuildable(text: str) -> bool:
     return not text.startswith("<")
 
 
-class _Nan(ast.NodeTransformer):
-    def visit_Name(self, node):
-        if node.id == "nan":
-            return ast.copy_location(ast.Constant(math.nan), node)
-        return node
-
-
 def read_constant(text: str):
     """The value a constant's text (as `constant_text` writes it) stands for:
-    `ast.literal_eval`, with `nan` for NaN.  Raises ValueError for one that
-    is no literal (`<TypeName object>`)."""
+    `ast.literal_eval`, with `nan` for NaN (`remat_ir.ir.header.read_literal`,
+    as the verifier reads it).  Raises ValueError for one that is no literal
+    (`<TypeName object>`)."""
     if not rebuildable(text):
         raise ValueError(f"{text} is not a Python literal: the value cannot be built from the plan")
-    try:
-        tree = _Nan().visit(ast.parse(text.strip(), mode="eval"))
-        return ast.literal_eval(tree.body)
-    except (SyntaxError, ValueError, TypeError, RecursionError) as e:
-        raise ValueError(f"{text} is not a Python literal ({e})") from None
+    return read_literal(text)
 
 
 def constants_map(constants: list[str]) -> dict[str, str]:

@@ -355,6 +355,10 @@ def _autocast_region(autocast: str, target: str, neutral: bool):
         raise TraceError(str(e)) from None
     if device_type != target:
         raise TraceError(f"{describe_autocast(autocast)} is for {device_type}, but the step runs on {target}")
+    from remat_ir.ir.header import autocast_problem
+
+    if autocast_problem(autocast, target):  # (a dtype autocast does not take: it would run without)
+        raise TraceError(f"autocast {autocast_problem(autocast, target)}")
     if neutral:
         raise TraceError(f"a step under {describe_autocast(autocast)} is traced where it runs: autocast "
                          f"casts other ops on CPU; trace it on a machine with {device_type}")
