@@ -70,10 +70,12 @@ RULES = (
     Rule("b", "only remat_ir.optimize imports numpy, scipy or cvxpy",
          applies=("remat_ir",), exempt=("remat_ir.optimize",), forbid=NUMERIC),
     Rule("c", "remat_ir.check.verify imports of remat_ir only remat_ir.ir, remat_ir.check.simulate, "
-              "remat_ir.check.typecheck and remat_ir.check.rewritten",
+              "remat_ir.check.typecheck, remat_ir.check.rewritten and remat_ir.check.ranges",
          applies=("remat_ir.check.verify",), forbid=("remat_ir",),
          allow=("remat_ir.ir", "remat_ir.check.simulate", "remat_ir.check.typecheck",
-                "remat_ir.check.rewritten")),
+                "remat_ir.check.rewritten", "remat_ir.check.ranges")),
+    Rule("c", "remat_ir.check.ranges imports of remat_ir only remat_ir.ir",
+         applies=("remat_ir.check.ranges",), forbid=("remat_ir",), allow=("remat_ir.ir",)),
     Rule("c", "remat_ir.check.rewritten imports of remat_ir only remat_ir.ir (it checks a rewritten "
               "region without the code that rewrote it)",
          applies=("remat_ir.check.rewritten",), forbid=("remat_ir",), allow=("remat_ir.ir",)),

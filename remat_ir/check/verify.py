@@ -74,6 +74,7 @@ from remat_ir.ir import sizes as sz
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.syntax import clip
 from remat_ir.ir.fingerprint import fingerprint
+from remat_ir.check.ranges import degree_points, range_errors
 from remat_ir.check.simulate import MemoryReport, SimulationError, simulate
 from remat_ir.check.rewritten import check_rewrites
 from remat_ir.check.typecheck import typecheck
@@ -254,6 +255,23 @@ def _verify_symbolic(program: Program, max_errors: int, graph: bool) -> Verdict:
             report, first = verdict.report, verdict.report_first_step  # (the high end's: last)
         for (line, message, section, index), ats in found.items():
             errors.append(Diagnostic(line, f"at {' and at '.join(ats)}: {message}", section, index))
+    if not errors:
+        # Between the ends: every size expression at every size, the graph at degree + 1 sizes.
+        errors += [Diagnostic(*e) for e in range_errors(program)]
+    if not errors and graph:
+        found = {}
+        for at in degree_points(program):
+            concrete = sz.instantiate(program, at)
+            concrete.header.lines = dict(h.lines)
+            v = _Verifier(concrete)
+            v.check_graph()
+            for loc, message in typecheck(concrete):
+                v.err(loc, message)
+            for d in v.errors:
+                found.setdefault((d.line, d.message, d.section, d.index), []).append(_at(at))
+        for (line, message, section, index), ats in found.items():
+            errors.append(Diagnostic(line, f"at {' and at '.join(ats)}, inside the plan's range: {message}",
+                                     section, index))
     _sort(errors)
     omitted = max(0, len(errors) - max_errors)
     return Verdict(ok=not errors, errors=errors[:max_errors], report=report if not errors else None,

@@ -209,6 +209,12 @@ def _compile(argv) -> int:
                 raise CliError("--dynamic: the example has no batch or sequence dimension of size 2 or more to "
                                "make a symbol (or an input that is not a contiguous tensor of its own)")
             program = trace(model.module, model.inputs, **step, stats=stats, dynamic=dims)
+            from remat_ir.ir import sizes as sz
+
+            why = sz.check_sizes(program, sz.ends(program)[0])
+            if why:  # (the model's code took a decision only sizes like the example's share)
+                raise CliError(f"--dynamic: {why.replace('break', 'at the low end of its range break')}: the "
+                               "model's code depends on these exact sizes; compile it without --dynamic")
             if max_sizes:
                 try:
                     program.header.sizes = widen(program, max_sizes)
@@ -342,6 +348,7 @@ def _verify(argv) -> int:
     import remat_ir
     from remat_ir.cli.report import breakdown
 
+    from remat_ir.check.ranges import LATTICE, exhaustive
     from remat_ir.ir import sizes as sz
 
     program = remat_ir.load_plan(args.plan)
@@ -351,8 +358,9 @@ def _verify(argv) -> int:
     if sz.is_symbolic(program):
         try:
             ends = sz.ends(program)
-            over = (f" over its range {', '.join(program.header.sizes)} (verified at "
-                    f"{' and at '.join(', '.join(f'{k}={v}' for k, v in e.items()) for e in ends)})")
+            every = "every size" if exhaustive(program) else f"a lattice of up to {LATTICE} sizes per symbol"
+            over = (f" over its range {', '.join(program.header.sizes)} (its size expressions at {every}, "
+                    f"in full at {' and at '.join(', '.join(f'{k}={v}' for k, v in e.items()) for e in ends)})")
             if verdict.ok:
                 shown = sz.instantiate(program, ends[-1], refingerprint=False)
         except sz.SizeError:
@@ -415,6 +423,9 @@ def _run(argv) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
+    p.add_argument("--size", action="append", default=[], metavar="SYMBOL=N",
+                   help="a symbolic plan: run it at this size of a symbol (B=4, T=96; B and T are --batch and "
+                        "--seq); repeat for others; sizes not given are the model's example's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-model-check", action="store_true",
                    help="skip retracing the model to check that it still produces the plan's graph "
@@ -423,6 +434,7 @@ def _run(argv) -> int:
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, not {args.steps}")
     import remat_ir
+    from remat_ir.ir import sizes as sz
     from remat_ir.ir.printer import human_bytes
     from remat_ir.pipeline import plan_device
     from remat_ir.runtime.load import load_model
@@ -443,8 +455,11 @@ def _run(argv) -> int:
         raise CliError(f"{args.plan}: the plan's step returns {problem}, not a scalar loss, so remat-run "
                        f"cannot call .backward() on it; recompile it from a model whose forward, or "
                        f"loss(output, *inputs), returns a scalar loss")
-    shapes = {v.name: v.shape for v in program.values if v.kind == "input"}
+    asked = _sizes_flag(args, program)
     model = load_model(args.model, batch=args.batch, seq=args.seq, device=device, seed=args.seed)
+    shapes = {v.name: v.shape for v in program.values if v.kind == "input"}
+    if sz.is_symbolic(program):
+        shapes = {v.name: v.shape for v in _at_sizes(program, model, asked, args.plan).values if v.kind == "input"}
     r = run_plan(program, model, steps=args.steps, device=device, check=args.check, seed=args.seed,
                  check_model=not args.no_model_check)
     ok_mem = r.within_tolerance()
@@ -491,6 +506,62 @@ def _run(argv) -> int:
         print("remat-run: the measured peak is outside 1% + 1 MiB of the predicted one", file=sys.stderr)
         return EXIT_FAIL
     return EXIT_OK
+
+
+def _sizes_flag(args, program) -> dict[str, int]:
+    """--size SYMBOL=N (and --batch, --seq as B and T) for a symbolic plan;
+    --size for a plan without symbols is refused."""
+    from remat_ir.ir import sizes as sz
+
+    out: dict[str, int] = {}
+    for text in args.size:
+        name, eq, n = text.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier() or not n.strip().isdigit():
+            raise CliError(f"--size {text!r}: expected SYMBOL=N, e.g. T=96")
+        if name in out:
+            raise CliError(f"--size: {name} given twice")
+        out[name] = int(n)
+    if out and not sz.is_symbolic(program):
+        raise CliError(f"--size: {args.plan} has no size symbols (no `sizes` line); it runs at its own shapes")
+    if out:
+        declared = sz.ranges(program)
+        for name in out:
+            if name not in declared:
+                raise CliError(f"--size {name}: {args.plan} has no size symbol {name} (it has "
+                               f"{', '.join(declared)})")
+        for flag, sym in (("batch", "B"), ("seq", "T")):
+            given = getattr(args, flag)
+            if sym in out and given is not None and given != out[sym]:
+                raise CliError(f"--size {sym}={out[sym]} and --{flag} {given} disagree; give one")
+            if sym in out and given is None:
+                setattr(args, flag, out[sym])
+    return out
+
+
+def _at_sizes(program, model, asked: dict[str, int], path: str):
+    """A symbolic plan instantiated at the sizes of the model's inputs (as
+    --batch, --seq, --size built them), refused in one line where those are
+    not the asked ones or lie outside what the plan covers."""
+    from remat_ir.ir import sizes as sz
+
+    inputs = [v for v in program.values if v.kind == "input"]
+    tensors = [x for x in model.inputs if hasattr(x, "shape")]
+    if len(tensors) != len(inputs):
+        raise CliError(f"{path}: the plan takes {len(inputs)} tensor inputs, the model's example gives "
+                       f"{len(tensors)}")
+    sizes, why = sz.bind_sizes([(v.source or v.name, v.shape, list(t.shape)) for v, t in zip(inputs, tensors)])
+    if why:
+        raise CliError(f"{path}: {why}")
+    for name, n in asked.items():
+        if sizes.get(name) != n:
+            raise CliError(f"--size {name}={n}: the model's example has {name}={sizes.get(name)}; only B and T "
+                           "(--batch, --seq) change the example's sizes")
+    why = sz.check_sizes(program, sizes)
+    if why:
+        raise CliError(f"{path}: {why}; give sizes inside its range ({', '.join(program.header.sizes)})")
+    print(f"remat-run: running {path} at {', '.join(f'{k}={v}' for k, v in sizes.items())}", file=sys.stderr)
+    return sz.instantiate(program, sizes)
 
 
 def _check_text(c) -> str:

@@ -194,19 +194,19 @@ def condition_holds(text: str, sizes: dict[str, int]) -> bool:
 
 
 def evaluate_grid(text: str | int, grid: dict):
-    """The expression at many sizes at once: `grid` maps each symbol to a
-    numpy int64 array (one entry per point), and so does the result.
-    Raises SizeError naming the first point where a divisor is zero."""
-    import numpy as np
+    """The expression at many sizes at once: `grid` maps each symbol to an
+    int64 tensor (one entry per point), and so does the result.  Raises
+    SizeError naming the first point where a divisor is zero."""
+    import torch
 
     n = len(next(iter(grid.values()))) if grid else 1
     if type(text) is int:
-        return np.full(n, text, dtype=np.int64)
+        return torch.full((n,), text, dtype=torch.int64)
 
     def ev(node):
         t = type(node)
         if t is ast.Constant:
-            return np.full(n, node.value, dtype=np.int64)
+            return torch.full((n,), node.value, dtype=torch.int64)
         if t is ast.Name:
             if node.id not in grid:
                 raise SizeError(f"no size given for the symbol {node.id}")
@@ -220,28 +220,29 @@ def evaluate_grid(text: str | int, grid: dict):
                 return a - b
             if op is ast.Mult:
                 return a * b
-            zero = np.flatnonzero(b == 0)
+            zero = torch.nonzero(b == 0)
             if len(zero):
-                k = zero[0]
+                k = int(zero[0, 0])
                 at = ", ".join(f"{s}={int(v[k])}" for s, v in grid.items())
                 raise SizeError(f"a size expression divides by zero at {at}")
-            return a // b if op is ast.FloorDiv else a % b
+            # Python's floor division and modulo (the sign of the divisor), as `evaluate`.
+            return torch.div(a, b, rounding_mode="floor") if op is ast.FloorDiv else torch.remainder(a, b)
         if t is ast.UnaryOp:
             return -ev(node.operand)
         a, b = (ev(x) for x in node.args)
-        return np.maximum(a, b) if node.func.id == "max" else np.minimum(a, b)
+        return torch.maximum(a, b) if node.func.id == "max" else torch.minimum(a, b)
 
     return ev(_expr(text))
 
 
 def conditions_grid(texts: list[str], grid: dict):
-    """Where all the conditions hold, over `grid` (see `evaluate_grid`): a bool array."""
-    import numpy as np
+    """Where all the conditions hold, over `grid` (see `evaluate_grid`): a bool tensor."""
+    import torch
 
     n = len(next(iter(grid.values()))) if grid else 1
-    ok = np.ones(n, dtype=bool)
-    cmp = {ast.Eq: np.equal, ast.NotEq: np.not_equal, ast.Lt: np.less, ast.LtE: np.less_equal,
-           ast.Gt: np.greater, ast.GtE: np.greater_equal}
+    ok = torch.ones(n, dtype=torch.bool)
+    cmp = {ast.Eq: torch.eq, ast.NotEq: torch.ne, ast.Lt: torch.lt, ast.LtE: torch.le,
+           ast.Gt: torch.gt, ast.GtE: torch.ge}
     for text in texts:
         for p in _condition(text):
             left = evaluate_grid(ast.unparse(p.left), grid)

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from remat_ir.runtime.bind import PlanMismatch
 from remat_ir.runtime.interpret import unwrap, wrap
 from remat_ir.ir import INPUT, RESULT, Program
+from remat_ir.ir import sizes as sz
 from remat_ir.ir.types import DTYPE_SHORT, OPTIMIZER_STATES
 from remat_ir.runtime.load import LoadedModel
 from remat_ir.runtime.memtrack import measure_step
@@ -195,6 +196,19 @@ def _autocast(program: Program):
     return torch.autocast(device_type, dtype=dtype)
 
 
+def _instantiated(program: Program, inputs: tuple) -> Program:
+    """`program` at the sizes of `inputs` (a plan without symbols: itself)."""
+    if not sz.is_symbolic(program):
+        return program
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    plan_inputs = [v for v in program.values if v.kind == INPUT]
+    sizes, why = sz.bind_sizes([(v.source or v.name, v.shape, list(t.shape)) for v, t in zip(plan_inputs, tensors)])
+    why = why or sz.check_sizes(program, sizes)
+    if why:
+        raise ValueError(f"the plan does not cover these inputs: {why}")
+    return sz.instantiate(program, sizes)
+
+
 def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: str = "cpu",
              check: bool = False, seed: int = 0, check_model: bool = True) -> RunReport:
     _scalar_step(program)
@@ -219,8 +233,11 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
         loss.backward()
         return loss.detach()
 
+    # A symbolic plan runs as it is (its model check retraces with symbols); its
+    # predictions are its instantiation's at these inputs' sizes.
+    at = _instantiated(program, inputs)
     opt_state = optimizer_state(module, program.header.optim)
-    opt_bytes = optimizer_state_bytes(program, program.header.optim)
+    opt_bytes = optimizer_state_bytes(at, program.header.optim)
     params = [p for p in module.parameters()]
     pre = {"params": params, "buffers": list(module.buffers()),
            "inputs": [x for x in inputs if isinstance(x, torch.Tensor)], "optimizer": opt_state}
@@ -242,8 +259,8 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
     later = measure_step(plan_step, pre_existing=pre_with_grads, device=dev)
 
     report = RunReport(
-        predicted_first=simulate(program, grads_present=False, optim_state_bytes=opt_bytes),
-        predicted=simulate(program, grads_present=True, optim_state_bytes=opt_bytes),
+        predicted_first=simulate(at, grads_present=False, optim_state_bytes=opt_bytes),
+        predicted=simulate(at, grads_present=True, optim_state_bytes=opt_bytes),
         measured_first_peak=first.peak_bytes, measured_peak=later.peak_bytes,
         measured_baseline={k: v for k, v in later.baseline_by_category.items() if k != "unregistered"},
         measured_outside=later.baseline_by_category.get("unregistered", 0), step_times=[], eager_step_times=[])
