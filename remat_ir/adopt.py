@@ -202,6 +202,7 @@ class AutoRemat(WrappedModule):
                       f"{type(self.module).__name__} were made: planning it again", file=sys.stderr)
                 self.plans.clear()
                 eager.clear()
+                self.__dict__.pop("_fixed_sizes", None)
                 self._reads = []
         # Calls of one structure (a symbolic plan: of one shape class) share a
         # plan unless the model's code decides on their values (an all-ones mask
@@ -441,7 +442,9 @@ class AutoRemat(WrappedModule):
             trace = dict(loss=self.loss_fn, optimizer=o["optimizer"], cost=o["cost"], autocast=call.autocast,
                          as_called=True, live=self.__dict__.setdefault("_reads", []))
             program = None
-            dims = self._dynamic_dims(call) if self.dynamic else {}
+            # (a shape class whose code fixed its sizes once is traced at its sizes from then on)
+            fixed = self.__dict__.setdefault("_fixed_sizes", set())
+            dims = self._dynamic_dims(call) if self.dynamic and call.shape_class() not in fixed else {}
             if dims:
                 try:
                     program = pipeline.trace(self.module, args, kwargs, dynamic=dims, **trace)
@@ -451,7 +454,8 @@ class AutoRemat(WrappedModule):
                 except NotReplayableError:
                     raise
                 except TraceError as e:
-                    print(f"remat-ir: {e}; planning this call's sizes alone", file=sys.stderr)
+                    fixed.add(call.shape_class())
+                    print(f"remat-ir: {e}; planning each size of such calls on its own", file=sys.stderr)
                     program = None
             traced = program
             if program is None:

@@ -48,6 +48,7 @@ SLOW = frozenset({
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[llama-padded]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[llama]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[mixtral]',
+    'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[qwen3-moe]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[t5]',
     'tests/test_fidelity.py::test_family_traces_and_trains_as_eager[vit]',
     'tests/test_fsdp.py::test_fsdp2_units_run_plans_with_fsdp2s_gradients_bitwise',

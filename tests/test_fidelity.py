@@ -17,7 +17,7 @@ from remat_ir.models.families import FAMILIES  # noqa: E402
 from remat_ir.side_by_side import train_side_by_side  # noqa: E402
 from remat_ir.trace.fidelity import compare  # noqa: E402
 
-FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "t5", "bart", "vit", "clip", "convnext"]
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "qwen3-moe", "t5", "bart", "vit", "clip", "convnext"]
 # Families that need a package the `test` extra does not install.
 NEEDS = {"llama-lora": "peft", "convnext": "timm"}
 
@@ -32,6 +32,18 @@ def test_family_traces_and_trains_as_eager(name):
     assert len(f.eager) > 300
     r = train_side_by_side(model, kwargs, budget=0.5, steps=3)
     assert r["bitwise"], r
+
+
+@pytest.mark.slow
+def test_a_loss_changed_in_place_plans_below_the_loss_floor_as_eager(capsys):
+    """Qwen3-MoE adds the router's loss to the LM loss in place (`loss +=
+    coef * aux`): the chunked-loss rewrite leaves such a loss alone (it
+    used to leave the `add_` on a value it removed: a SimulationError), and
+    the step plans at 0.3 and trains bitwise."""
+    model, kwargs = FAMILIES["qwen3-moe"]()
+    r = train_side_by_side(model, kwargs, budget=0.3, steps=2)
+    assert r["bitwise"], r
+    assert "eagerly" not in capsys.readouterr().err
 
 
 def test_a_changed_step_is_found():

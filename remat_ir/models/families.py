@@ -80,6 +80,21 @@ def mixtral(seed: int = 0):
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+def qwen3_moe(seed: int = 0):
+    """A mixture of experts whose loss adds the router's load-balancing loss
+    in place (Qwen3-MoE, `output_router_logits`: `loss += coef * aux_loss`)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, output_router_logits=True, router_aux_loss_coef=0.01))
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
 def _seq2seq_call(seed: int) -> dict:
     """An encoder-decoder's training call: ids, a mask with the second row's
     last 4 positions padded, and labels half as long."""
@@ -183,6 +198,7 @@ FAMILIES: dict[str, Callable] = {
     "llama-nocache": lambda seed=0: llama(seed, use_cache=False),
     "llama-lora": llama_lora,
     "mixtral": mixtral,
+    "qwen3-moe": qwen3_moe,
     "t5": t5,
     "bart": bart,
     "vit": vit,

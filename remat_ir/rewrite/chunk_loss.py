@@ -134,6 +134,10 @@ def region(program: Program) -> Region:
     target = target_ref.name
     if values[target].shape != [n_rows]:
         raise NotApplicable("the targets are not one per row")
+    loss_storage = storage(nll.outputs[0])
+    if any(storage(m) == loss_storage for n in program.nodes for m in n.mutates if m in values):
+        # (`loss += coef * aux_loss` of a mixture of experts: the chunks' sum would be another storage)
+        raise NotApplicable("the loss is changed in place after nll_loss")
     forward = [mm] + chain[::-1] + [lsm, nll]
     fwd_names = {n.name for n in forward}
     outs = {o for n in forward for o in n.outputs if o}

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, is_dataclass
 import torch
 from torch.nn.modules import module as _nn
 
-__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "module_text", "snapshot", "torch_own", "tracing",
-           "watching"]
+__all__ = ["LiveReads", "NotReplayable", "guardable", "hook_dicts", "module_text", "settle", "snapshot", "torch_own",
+           "tracing", "watching"]
 
 # The attributes every nn.Module has (hook dicts, _parameters, training...):
 # the module's own machinery, watched by ModelGuard and LiveGuard directly.
@@ -265,6 +265,22 @@ def _set_random(state) -> None:
     np = sys.modules.get("numpy")
     if state[1] is not None and np is not None:
         np.random.set_state(state[1])
+
+
+def settle(model: torch.nn.Module) -> None:
+    """Do the set-up a library does lazily in a model's first forward, once
+    and for good, as eager's first call would: transformers installs its
+    output-capturing hooks (router logits, attentions) on the first call that
+    records outputs, and marks the model.  Done before a trace, that write
+    is no state the step changes, and the hooks are in the guard's snapshot."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    install = getattr(capturing, "maybe_install_capturing_hooks", None)
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    if install is None or registry is None:
+        return
+    for m in model.modules():
+        if hasattr(m, "_can_record_outputs") and registry.get(m):
+            install(m)
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
     """
     from remat_ir.trace.calls import CallError, autocast_off, split_call
     from remat_ir.trace.checkpoint import inline_checkpoints
-    from remat_ir.trace.live import NotReplayable, watching
+    from remat_ir.trace.live import NotReplayable, settle, watching
 
     try:
         call = split_call(module, example_inputs, kwargs)
@@ -117,6 +117,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple = (), *, kwargs:
         raise TraceError(str(e)) from None
     if autocast is not None:
         call.autocast = autocast
+    settle(module)
     modes = [(m, m.training) for m in module.modules()]
     if not as_called:
         module.train()
