@@ -540,6 +540,8 @@ class AutoRemat(WrappedModule):
         o = self.options
         facts = {"fingerprint": _class_fingerprint(program), "torch": torch.__version__,
                  "remat_ir": __version__, **{k: repr(v) for k, v in sorted(o.items())}}
+        if program.header.sizes and _one_size(program):
+            facts["sizes"] = list(program.header.sizes)  # (a plan per size: a file per size)
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -145,3 +145,34 @@ def test_grid_evaluation_is_pythons(llama):
         got = sz.evaluate_grid(text, grid).tolist()
         assert got == [sz.evaluate(text, {"T": t, "B": 3}) for t in range(-6, 7)], text
     assert sz.degree("B*T*T+T", "T") == 2 and sz.degree("max(B, T)//2", "B") == 1
+
+
+def _one_value_program(sizes: list[str], nbytes: str, guards: list[str] = ()):
+    from remat_ir.ir import Header, Program, Value
+
+    v = Value(name="x", kind="input", dtype="uint8", shape=["B"], stride=[1], storage="x", nbytes="B", source="x")
+    w = Value(name="y", kind="value", dtype="uint8", shape=[nbytes], stride=[1], storage="y", nbytes=nbytes)
+    return Program(header=Header(version=1, model="m", fingerprint="", device="cpu", sizes=sizes,
+                                 size_guards=list(guards)), values=[v, w], nodes=[], forward=[], backward=[],
+                   outputs=[])
+
+
+def test_a_byte_count_shrinking_between_allowed_sizes_is_refused():
+    """Growth is checked from each size the guards allow to the next allowed
+    one: with `B % 2 == 0`, no two neighbours are both allowed."""
+    bad = _one_value_program(["B=2..8"], "128*(B-5)*(B-5)", ["B % 2 == 0"])
+    errors = range_errors(bad)
+    assert errors and "shrinks" in errors[0][1], errors
+    assert range_errors(_one_value_program(["B=2..8"], "128*B", ["B % 2 == 0"])) == []
+
+
+def test_conditions_stop_at_their_first_false_part_as_at_run_time():
+    p = _one_value_program(["B=2..8"], "B", ["B != 5 and 6 % (B - 5) == 0"])
+    assert range_errors(p) == []  # (6 % 0 is never evaluated: B != 5 is false there)
+    assert sz.conditions_grid(["B != 5 and 6 % (B - 5) == 0"], {"B": torch.arange(2, 9)}).tolist() == [
+        sz.condition_holds("B != 5 and 6 % (B - 5) == 0", {"B": b}) for b in range(2, 9)]
+
+
+def test_sizes_past_int64_are_a_diagnostic_not_a_crash():
+    errors = range_errors(_one_value_program(["B=2..8"], f"B+{1 << 70}"))
+    assert errors and "too large" in errors[0][1], errors

@@ -41,7 +41,7 @@ from remat_ir.ir import sizes as sz
 __all__ = ["MAX_POINTS", "LATTICE", "range_errors", "degree_points"]
 
 MAX_POINTS = 1 << 16
-LATTICE = 64  # sizes per symbol beyond MAX_POINTS: 8 at each end, the rest evenly spread
+LATTICE = 64  # sizes per symbol beyond MAX_POINTS (fewer with 3 symbols or more): an eighth at each end, the rest evenly spread
 MAX_TYPECHECKS = 12  # instantiations type-checked between the ends
 _SIZE_CALL = re.compile(r"size\('([^']*)'\)")
 
@@ -52,12 +52,15 @@ def _axes(program: Program) -> dict[str, torch.Tensor]:
     for r in rs.values():
         total *= r.high - r.low + 1
     out = {}
+    # Past MAX_POINTS, each symbol gets at most `per` sizes, so the lattice stays within it.
+    per = max(4, min(LATTICE, int(MAX_POINTS ** (1 / max(len(rs), 1)))))
     for s, r in rs.items():
-        if total <= MAX_POINTS or r.high - r.low + 1 <= LATTICE:
+        if total <= MAX_POINTS or r.high - r.low + 1 <= per:
             out[s] = torch.arange(r.low, r.high + 1, dtype=torch.int64)
         else:
-            ends = torch.cat([torch.arange(r.low, r.low + 8), torch.arange(r.high - 7, r.high + 1)])
-            mid = torch.linspace(r.low, r.high, LATTICE - 16, dtype=torch.float64).round().to(torch.int64)
+            e = per // 8
+            ends = torch.cat([torch.arange(r.low, r.low + e), torch.arange(r.high - e + 1, r.high + 1)])
+            mid = torch.linspace(r.low, r.high, per - 2 * e, dtype=torch.float64).round().to(torch.int64)
             out[s] = torch.unique(torch.cat([ends, mid]))
     return out
 
@@ -187,20 +190,24 @@ def _spanned(dims, strides, dtype: str, n: int):
 
 def _shrinks(a, held) -> tuple[int, int] | None:
     """Flat indices (before, after) of the first step along any axis where
-    `a` decreases between two points the size guards hold at, or None."""
+    `a` decreases from one size the size guards allow to the next allowed
+    one (guards such as `T % 64 == 0` leave gaps between them), or None."""
+    flat = torch.arange(a.numel()).reshape(a.shape)
     for axis in range(a.ndim):
-        if a.shape[axis] < 2:
+        n = a.shape[axis]
+        if n < 2:
             continue
-        lo = [slice(None)] * a.ndim
-        hi = [slice(None)] * a.ndim
-        lo[axis], hi[axis] = slice(0, -1), slice(1, None)
-        bad = (a[tuple(hi)] < a[tuple(lo)]) & held[tuple(lo)] & held[tuple(hi)]
-        idx = torch.nonzero(bad)
-        if len(idx):
-            p = [int(x) for x in idx[0]]
-            q = list(p)
-            q[axis] += 1
-            return _flat(p, a.shape), _flat(q, a.shape)
+        va = a.movedim(axis, -1).reshape(-1, n)
+        ok = held.movedim(axis, -1).reshape(-1, n)
+        ix = flat.movedim(axis, -1).reshape(-1, n)
+        pos = torch.arange(n).expand_as(va)
+        last = torch.where(ok, pos, -1).cummax(dim=1).values  # the last allowed size at or before each
+        prev = torch.cat([torch.full((va.shape[0], 1), -1), last[:, :-1]], dim=1)
+        before = va.gather(1, prev.clamp(min=0))
+        bad = torch.nonzero(ok & (prev >= 0) & (va < before))
+        if len(bad):
+            row, j = int(bad[0, 0]), int(bad[0, 1])
+            return int(ix[row, int(prev[row, j])]), int(ix[row, j])
     return None
 
 

@@ -260,8 +260,19 @@ def _verify_symbolic(program: Program, max_errors: int, graph: bool) -> Verdict:
         errors += [Diagnostic(*e) for e in range_errors(program)]
     if not errors and graph:
         found = {}
-        for at in degree_points(program):
-            concrete = sz.instantiate(program, at)
+        try:
+            points = degree_points(program)
+        except sz.SizeError as e:
+            points = []
+            errors.append(Diagnostic(h.lines.get("size_guards", h.lines.get("sizes", 0)), f"size guard: {e}",
+                                     "header"))
+        for at in points:
+            try:
+                concrete = sz.instantiate(program, at)
+            except sz.SizeError as e:
+                found.setdefault((e.line or h.lines.get("sizes", 0), str(e), e.section or "header", e.index),
+                                 []).append(_at(at))
+                continue
             concrete.header.lines = dict(h.lines)
             v = _Verifier(concrete)
             v.check_graph()
@@ -542,6 +553,10 @@ class _Verifier:
                 if o.key in gkeys:
                     self.err(loc, f"the gradient of {o.key} is declared twice; keep one grad output")
                 gkeys.add(o.key)
+                if len(self.grad_of.get(o.value, ())) > 1 and self.grad_of[o.value][0] != o.key:
+                    # (autograd takes a gradient's tensor as `.grad`: one tensor cannot be two)
+                    self.err(loc, f"the gradient of {o.key} is {o.value}, already the gradient of "
+                                  f"{self.grad_of[o.value][0]}; each gradient output is a value of its own")
                 target = values.get(o.key)
                 if target is None:
                     self.err(loc, f"grad output for {o.key}: no value is named {o.key}"

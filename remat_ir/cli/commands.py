@@ -214,7 +214,8 @@ def _compile(argv) -> int:
             why = sz.check_sizes(program, sz.ends(program)[0])
             if why:  # (the model's code took a decision only sizes like the example's share)
                 raise CliError(f"--dynamic: {why.replace('break', 'at the low end of its range break')}: the "
-                               "model's code depends on these exact sizes; compile it without --dynamic")
+                               "model's code decides on its sizes, and a symbolic plan's guards must hold at both "
+                               "ends of its range; compile it without --dynamic")
             if max_sizes:
                 try:
                     program.header.sizes = widen(program, max_sizes)

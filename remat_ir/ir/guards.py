@@ -232,6 +232,8 @@ class Guard:
 _READS_VALUES = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
                  "aten.equal.default"}
 _UNKNOWN = object()  # a value not known when only shapes are
+_MADE = "elements made"  # (a memo key: no id() is a str)
+_MAX_MADE = 16
 
 
 def _evaluate(x, values: dict, limit: int, memo: dict, shapes_only: bool):
@@ -262,6 +264,18 @@ def _evaluate(x, values: dict, limit: int, memo: dict, shapes_only: bool):
         if n > limit:
             raise _Refused(f"{x.name} would make {n} elements, more than the {limit} of the largest tensor the "
                            "guard reads")
+        # Bounded as a whole too: every result is kept until the guard is answered.
+        made = memo.get(_MADE, 0) + n
+        if made > _MAX_MADE * limit:
+            raise _Refused(f"its ops would make {made} elements in all, more than {_MAX_MADE} times the {limit} of "
+                           "the largest tensor it reads")
+        memo[_MADE] = made
+        device = kwargs.get("device")
+        if kwargs.get("pin_memory") or isinstance(device, torch.device) and any(
+                t.device.type != device.type or device.index is not None and t.device.index != device.index
+                for t in tensors):
+            raise _Refused(f"{x.name} would copy to {'pinned memory' if kwargs.get('pin_memory') else device}; a "
+                           "guard reads its inputs where they are")
         memo[id(x)] = run_op(x.func, args, kwargs)
     return memo[id(x)]
 

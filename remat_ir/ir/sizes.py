@@ -232,7 +232,13 @@ def evaluate_grid(text: str | int, grid: dict):
         a, b = (ev(x) for x in node.args)
         return torch.maximum(a, b) if node.func.id == "max" else torch.minimum(a, b)
 
-    return ev(_expr(text))
+    try:
+        out = ev(_expr(text))
+    except (OverflowError, RuntimeError) as e:  # (a constant past int64)
+        raise SizeError(f"{str(text)[:80]}: a number too large for a size ({e})") from None
+    if len(out) and int(out.abs().max()) >= 1 << 62:
+        raise SizeError(f"{str(text)[:80]} reaches {int(out.abs().max())}, too large for a size")
+    return out
 
 
 def conditions_grid(texts: list[str], grid: dict):
@@ -243,13 +249,18 @@ def conditions_grid(texts: list[str], grid: dict):
     ok = torch.ones(n, dtype=torch.bool)
     cmp = {ast.Eq: torch.eq, ast.NotEq: torch.ne, ast.Lt: torch.lt, ast.LtE: torch.le,
            ast.Gt: torch.gt, ast.GtE: torch.ge}
+    # Each part only where the earlier ones held (`and` and chained comparisons
+    # stop at the first false one, as `condition_holds` does).
     for text in texts:
         for p in _condition(text):
-            left = evaluate_grid(ast.unparse(p.left), grid)
-            for op, right_node in zip(p.ops, p.comparators):
-                right = evaluate_grid(ast.unparse(right_node), grid)
-                ok &= cmp[type(op)](left, right)
-                left = right
+            nodes = [p.left, *p.comparators]
+            for k, op in enumerate(p.ops):
+                where = torch.nonzero(ok).flatten()
+                if not len(where):
+                    return ok
+                sub = {s: v[where] for s, v in grid.items()}
+                left, right = (evaluate_grid(ast.unparse(x), sub) for x in nodes[k:k + 2])
+                ok[where] = cmp[type(op)](left, right)
     return ok
 
 

@@ -202,6 +202,9 @@ def _instantiated(program: Program, inputs: tuple) -> Program:
         return program
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     plan_inputs = [v for v in program.values if v.kind == INPUT]
+    if len(tensors) != len(plan_inputs):
+        raise ValueError(f"the plan takes {len(plan_inputs)} tensor inputs, the call gives {len(tensors)} "
+                         "(positional tensors)")
     sizes, why = sz.bind_sizes([(v.source or v.name, v.shape, list(t.shape)) for v, t in zip(plan_inputs, tensors)])
     why = why or sz.check_sizes(program, sizes)
     if why:
