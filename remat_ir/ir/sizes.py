@@ -146,7 +146,10 @@ def expr_symbols(text: str | int) -> list[str]:
 # ---------------------------------------------------------------- evaluating
 
 
-def _eval(node, sizes: dict[str, int]) -> int:
+def _eval(node, sizes: dict):
+    """The expression at `sizes`: symbol -> an int, or an int64 tensor of
+    sizes (one per point: `evaluate_grid`); the same arithmetic either way
+    (`//` and `%` of tensors round as Python's do)."""
     t = type(node)
     if t is ast.Constant:
         return node.value
@@ -164,13 +167,25 @@ def _eval(node, sizes: dict[str, int]) -> int:
             return a - b
         if op is ast.Mult:
             return a * b
-        if b == 0:
-            raise SizeError("a size expression divides by zero")
+        if type(b) is int:
+            if b == 0:
+                raise SizeError("a size expression divides by zero")
+        else:
+            zero = (b == 0).nonzero()
+            if len(zero):
+                k = int(zero[0, 0])
+                raise SizeError("a size expression divides by zero at "
+                                + ", ".join(f"{s}={int(v[k])}" for s, v in sizes.items()))
         return a // b if op is ast.FloorDiv else a % b
     if t is ast.UnaryOp:
         return -_eval(node.operand, sizes)
     a, b = (_eval(x, sizes) for x in node.args)
-    return max(a, b) if node.func.id == "max" else min(a, b)
+    if type(a) is int and type(b) is int:
+        return max(a, b) if node.func.id == "max" else min(a, b)
+    import torch
+
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return torch.maximum(a, b) if node.func.id == "max" else torch.minimum(a, b)
 
 
 def evaluate(text: str | int, sizes: dict[str, int]) -> int:
@@ -202,38 +217,9 @@ def evaluate_grid(text: str | int, grid: dict):
     n = len(next(iter(grid.values()))) if grid else 1
     if type(text) is int:
         return torch.full((n,), text, dtype=torch.int64)
-
-    def ev(node):
-        t = type(node)
-        if t is ast.Constant:
-            return torch.full((n,), node.value, dtype=torch.int64)
-        if t is ast.Name:
-            if node.id not in grid:
-                raise SizeError(f"no size given for the symbol {node.id}")
-            return grid[node.id]
-        if t is ast.BinOp:
-            a, b = ev(node.left), ev(node.right)
-            op = type(node.op)
-            if op is ast.Add:
-                return a + b
-            if op is ast.Sub:
-                return a - b
-            if op is ast.Mult:
-                return a * b
-            zero = torch.nonzero(b == 0)
-            if len(zero):
-                k = int(zero[0, 0])
-                at = ", ".join(f"{s}={int(v[k])}" for s, v in grid.items())
-                raise SizeError(f"a size expression divides by zero at {at}")
-            # Python's floor division and modulo (the sign of the divisor), as `evaluate`.
-            return torch.div(a, b, rounding_mode="floor") if op is ast.FloorDiv else torch.remainder(a, b)
-        if t is ast.UnaryOp:
-            return -ev(node.operand)
-        a, b = (ev(x) for x in node.args)
-        return torch.maximum(a, b) if node.func.id == "max" else torch.minimum(a, b)
-
     try:
-        out = ev(_expr(text))
+        out = _eval(_expr(text), grid)
+        out = out.expand(n).clone() if isinstance(out, torch.Tensor) else torch.full((n,), out, dtype=torch.int64)
     except (OverflowError, RuntimeError) as e:  # (a constant past int64)
         raise SizeError(f"{str(text)[:80]}: a number too large for a size ({e})") from None
     if len(out) and int(out.abs().max()) >= 1 << 62:
