@@ -595,7 +595,7 @@ class _Composer:
         import msgspec
 
         from remat_ir.check.simulate import dense_bytes, obeys_layout_contract
-        from remat_ir.ir import FREE, GRAD, INPUT, TANGENT
+        from remat_ir.ir import FREE, GRAD, INPUT, TANGENT, hand_overs
 
         prog, (full, flat) = self.units[i]
         p = f"u{i}/"
@@ -621,15 +621,16 @@ class _Composer:
                 grad_of.setdefault(o.value, []).append(o.key)
         gx = [o for o in node.outputs if o]
         grads = []
-        for ins in prog.backward:
+        handed = hand_overs(prog)  # (after the last write to a gradient's storage)
+        for j, ins in enumerate(prog.backward):
             out.append(msgspec.structs.replace(ins, target=p + ins.target))
             if ins.kind == FREE:
                 live.discard(p + ins.target)
                 continue
             for o in pnodes[ins.target].outputs:
-                if not o:
-                    continue
-                live.add(p + o)
+                if o:
+                    live.add(p + o)
+            for o in handed.get(j, ()):
                 for key in grad_of.get(o, ()):
                     if pv[key].kind == INPUT:
                         # Autograd carries it on into the root's graph.
@@ -640,11 +641,10 @@ class _Composer:
                     else:
                         self.alloc(out, f"{p}{key}.grad", dense_bytes(pv[key]), "backward")
                         grads.append(f"{p}{key}.grad")
-                if o in grad_of:
-                    # Handed over (popped from the plan's environment).
-                    live.discard(p + o)
-                    if p + o not in grads:
-                        self.free(out, p + o)
+                # Handed over (popped from the plan's environment).
+                live.discard(p + o)
+                if p + o not in grads:
+                    self.free(out, p + o)
         # The last piece clears the plan's environment.
         for name in sorted(live):
             self.free(out, name)
