@@ -17,7 +17,8 @@ from remat_ir.models.families import FAMILIES  # noqa: E402
 from remat_ir.side_by_side import train_side_by_side  # noqa: E402
 from remat_ir.trace.fidelity import compare  # noqa: E402
 
-FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "qwen3-moe", "t5", "bart", "vit", "clip", "convnext"]
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "qwen3-moe", "mistral", "gemma2", "distilbert",
+                "modernbert", "t5", "bart", "vit", "clip", "convnext"]
 # Families that need a package the `test` extra does not install.
 NEEDS = {"llama-lora": "peft", "convnext": "timm"}
 

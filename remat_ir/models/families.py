@@ -95,6 +95,64 @@ def qwen3_moe(seed: int = 0):
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+def _padded_lm_call(seed: int) -> dict:
+    """A padded batch as a collator gives it: the second row's last 8
+    positions masked, their labels -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g)
+    mask = torch.ones_like(ids)
+    mask[1, -8:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def mistral(seed: int = 0):
+    """A decoder-only LM with sliding-window attention (Mistral, window 16 of 32) and a padded mask."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=16))
+    return model, _padded_lm_call(seed)
+
+
+def gemma2(seed: int = 0):
+    """Gemma2: logit soft-capping, sliding-window layers alternating with
+    global ones, eager attention (as transformers advises for its training), a padded mask."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=16,
+        attn_implementation="eager"))
+    return model, _padded_lm_call(seed)
+
+
+def distilbert(seed: int = 0):
+    """An encoder classifier (DistilBERT sequence classification, dropout 0.1) with a padded mask."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = DistilBertForSequenceClassification(DistilBertConfig(
+        vocab_size=_VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4, max_position_embeddings=128, num_labels=3))
+    call = _padded_lm_call(seed)
+    return model, {"input_ids": call["input_ids"], "attention_mask": call["attention_mask"],
+                   "labels": torch.tensor([0, 2])}
+
+
+def modernbert(seed: int = 0):
+    """A masked LM with local attention layers between global ones (ModernBERT, window 16) and a padded mask."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    torch.manual_seed(seed)
+    model = ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=128, global_attn_every_n_layers=2, local_attention=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    return model, _padded_lm_call(seed)
+
+
 def _seq2seq_call(seed: int) -> dict:
     """An encoder-decoder's training call: ids, a mask with the second row's
     last 4 positions padded, and labels half as long."""
@@ -199,6 +257,10 @@ FAMILIES: dict[str, Callable] = {
     "llama-lora": llama_lora,
     "mixtral": mixtral,
     "qwen3-moe": qwen3_moe,
+    "mistral": mistral,
+    "gemma2": gemma2,
+    "distilbert": distilbert,
+    "modernbert": modernbert,
     "t5": t5,
     "bart": bart,
     "vit": vit,
