@@ -31,31 +31,36 @@ So, over the range:
 from __future__ import annotations
 
 import itertools
-import re
 
 import torch
 
-from remat_ir.ir import DTYPE_BYTES, Program, Seq, Sym
+from remat_ir.ir import DTYPE_BYTES, Program
+from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir import sizes as sz
 
-__all__ = ["MAX_POINTS", "LATTICE", "range_errors", "degree_points"]
+__all__ = ["MAX_POINTS", "LATTICE", "degree_points", "exhaustive", "range_errors"]
 
 MAX_POINTS = 1 << 16
 LATTICE = 64  # sizes per symbol beyond MAX_POINTS (fewer with 3 symbols or more): an eighth at each end, the rest evenly spread
 MAX_TYPECHECKS = 12  # instantiations type-checked between the ends
-_SIZE_CALL = re.compile(r"size\('([^']*)'\)")
+
+
+def exhaustive(program: Program) -> bool:
+    """Whether `range_errors` sees every size of the range (else a lattice of it)."""
+    total = 1
+    for r in sz.ranges(program).values():
+        total *= r.high - r.low + 1
+    return total <= MAX_POINTS
 
 
 def _axes(program: Program) -> dict[str, torch.Tensor]:
     rs = sz.ranges(program)
-    total = 1
-    for r in rs.values():
-        total *= r.high - r.low + 1
+    every = exhaustive(program)
     out = {}
     # Past MAX_POINTS, each symbol gets at most `per` sizes, so the lattice stays within it.
     per = max(4, min(LATTICE, int(MAX_POINTS ** (1 / max(len(rs), 1)))))
     for s, r in rs.items():
-        if total <= MAX_POINTS or r.high - r.low + 1 <= per:
+        if every or r.high - r.low + 1 <= per:
             out[s] = torch.arange(r.low, r.high + 1, dtype=torch.int64)
         else:
             e = per // 8
@@ -63,13 +68,6 @@ def _axes(program: Program) -> dict[str, torch.Tensor]:
             mid = torch.linspace(r.low, r.high, per - 2 * e, dtype=torch.float64).round().to(torch.int64)
             out[s] = torch.unique(torch.cat([ends, mid]))
     return out
-
-
-def exhaustive(program: Program) -> bool:
-    total = 1
-    for r in sz.ranges(program).values():
-        total *= r.high - r.low + 1
-    return total <= MAX_POINTS
 
 
 def range_errors(program: Program) -> list[tuple[int, str, str, int]]:
@@ -105,76 +103,64 @@ def range_errors(program: Program) -> list[tuple[int, str, str, int]]:
         return int(idx[0, 0]) if len(idx) else None
 
     for g in h.guards:
-        for expr in _SIZE_CALL.findall(g):
+        try:
+            sizes = [name for kind, name in Guard(g).reads if kind == "size"]
+        except GuardError:
+            continue  # (the type check names it)
+        for expr in sizes:
             try:
                 value(expr)
             except sz.SizeError as e:
                 errors.append((h.lines.get("guards", 0), f"guard {g!r}: size('{expr}'): {e}", "header", 0))
     for i, n in enumerate(program.nodes):
-        stack = list(n.args) + list(n.kwargs.values())
-        while stack:
-            a = stack.pop()
-            if isinstance(a, Sym):
-                try:
-                    value(a.expr)
-                except sz.SizeError as e:
-                    errors.append((n.line, f"node {n.name}: size argument `{a.expr}`: {e}", "nodes", i))
-            elif isinstance(a, Seq):
-                stack.extend(a.items)
+        for expr in sz.sym_exprs([*n.args, *n.kwargs.values()]):
+            try:
+                value(expr)
+            except sz.SizeError as e:
+                errors.append((n.line, f"node {n.name}: size argument `{expr}`: {e}", "nodes", i))
     values = program.value_map()
-    for i, v in enumerate(program.values):
-        parts = list(v.shape) + list(v.stride) + [v.nbytes]
-        if all(type(x) is int for x in parts):
-            continue
-        where = (v.line, "values", i)
-        try:
-            dims = [value(d) for d in v.shape]
-            strides = [value(st) for st in v.stride]
-            nbytes = value(v.nbytes)
-        except sz.SizeError as e:
-            errors.append((*where[:1], f"value {v.name}: {e}", *where[1:]))
-            continue
-        bad = None
+
+    def problem(v) -> str | None:
+        """What is wrong with value `v`'s sizes somewhere in the range, or None."""
+        dims, strides, nbytes = [value(d) for d in v.shape], [value(st) for st in v.stride], value(v.nbytes)
         for what, arrays in (("a dimension", dims), ("a stride", strides), ("its byte count", [nbytes])):
             for a in arrays:
                 k = first(a < 0)
                 if k is not None:
-                    bad = f"value {v.name}: {what} is {int(a[k])} at {at(k)}; sizes are never negative"
-                    break
-            if bad:
-                break
-        if bad:
-            errors.append((where[0], bad, *where[1:]))
-            continue
+                    return f"value {v.name}: {what} is {int(a[k])} at {at(k)}; sizes are never negative"
         need = _spanned(dims, strides, v.dtype, len(grid[names[0]]))
-        if v.storage == v.name:
-            exact = bool(nbytes[0] == need[0])
-            k = first(nbytes != need) if exact else first(nbytes < need)
-            if k is not None:
-                rel = "equal to" if exact else "at least"
-                errors.append((where[0], f"value {v.name}: byte count {v.nbytes} is {int(nbytes[k])} at {at(k)}, "
-                                         f"but its shape spans {int(need[k])} bytes there; it must be {rel} "
-                                         "them at every size of the range, as at its low end", *where[1:]))
-                continue
-            k = _shrinks(nbytes.reshape(shape), held.reshape(shape))
-            if k is not None:
-                a, b = k
-                errors.append((where[0], f"value {v.name}: byte count {v.nbytes} shrinks from {int(nbytes[a])} "
-                                         f"at {at(a)} to {int(nbytes[b])} at {at(b)}; the plan's peak is checked "
-                                         "at the high end of its range, which holds only while byte counts grow "
-                                         "with the sizes", *where[1:]))
-        else:
+        if v.storage != v.name:
             owner = values.get(v.storage)
-            if owner is None:
-                continue
             try:
-                room = value(owner.nbytes)
+                room = value(owner.nbytes) if owner is not None else None
             except sz.SizeError:
-                continue  # (reported at the owner)
-            k = first(need > room)
-            if k is not None:
-                errors.append((where[0], f"view {v.name} spans {int(need[k])} bytes at {at(k)}, beyond the "
-                                         f"{int(room[k])} bytes of its storage {owner.name}", *where[1:]))
+                return None  # (reported at the owner)
+            k = first(need > room) if room is not None else None
+            return None if k is None else (f"view {v.name} spans {int(need[k])} bytes at {at(k)}, beyond the "
+                                           f"{int(room[k])} bytes of its storage {owner.name}")
+        exact = bool(nbytes[0] == need[0])
+        k = first(nbytes != need) if exact else first(nbytes < need)
+        if k is not None:
+            return (f"value {v.name}: byte count {v.nbytes} is {int(nbytes[k])} at {at(k)}, but its shape spans "
+                    f"{int(need[k])} bytes there; it must be {'equal to' if exact else 'at least'} them at every "
+                    "size of the range, as at its low end")
+        k = _shrinks(nbytes.reshape(shape), held.reshape(shape))
+        if k is not None:
+            a, b = k
+            return (f"value {v.name}: byte count {v.nbytes} shrinks from {int(nbytes[a])} at {at(a)} to "
+                    f"{int(nbytes[b])} at {at(b)}; the plan's peak is checked at the high end of its range, which "
+                    "holds only while byte counts grow with the sizes")
+        return None
+
+    for i, v in enumerate(program.values):
+        if all(type(x) is int for x in [*v.shape, *v.stride, v.nbytes]):
+            continue
+        try:
+            why = problem(v)
+        except sz.SizeError as e:
+            why = f"value {v.name}: {e}"
+        if why:
+            errors.append((v.line, why, "values", i))
     return errors
 
 
@@ -211,13 +197,6 @@ def _shrinks(a, held) -> tuple[int, int] | None:
     return None
 
 
-def _flat(index: list[int], shape) -> int:
-    k = 0
-    for i, n in zip(index, shape):
-        k = k * n + i
-    return k
-
-
 def degree_points(program: Program) -> list[dict[str, int]]:
     """Sizes to type-check the graph at, besides the two ends: for each
     symbol, degree + 1 sizes spread over its range (its highest degree over
@@ -228,13 +207,7 @@ def degree_points(program: Program) -> list[dict[str, int]]:
     for v in program.values:
         texts.update(x for x in [*v.shape, *v.stride, v.nbytes] if type(x) is str)
     for n in program.nodes:
-        stack = list(n.args) + list(n.kwargs.values())
-        while stack:
-            a = stack.pop()
-            if isinstance(a, Sym):
-                texts.add(a.expr)
-            elif isinstance(a, Seq):
-                stack.extend(a.items)
+        texts.update(sz.sym_exprs([*n.args, *n.kwargs.values()]))
     per: dict[str, list[int]] = {}
     for s, r in rs.items():
         d = max((sz.degree(t, s) for t in texts), default=1)

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from remat_ir.ir import (
     BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE,
-    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, Seq, Sym, arg_depth, hand_overs, node_inputs,
+    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, arg_depth, hand_overs, node_inputs,
 )
 from remat_ir.ir import sizes as sz
 from remat_ir.ir.printer import human_bytes
@@ -332,13 +332,8 @@ def _symbolic_errors(program: Program) -> list[Diagnostic]:
             check(st, f"value {v.name}: stride", v.line, "values", i)
         check(v.nbytes, f"value {v.name}: byte count", v.line, "values", i)
     for i, n in enumerate(program.nodes):
-        stack = list(n.args) + list(n.kwargs.values())
-        while stack:
-            a = stack.pop()
-            if isinstance(a, Sym):
-                check(a.expr, f"node {n.name}: size argument", n.line, "nodes", i)
-            elif isinstance(a, Seq):
-                stack.extend(a.items)
+        for x in sz.sym_exprs([*n.args, *n.kwargs.values()]):
+            check(x, f"node {n.name}: size argument", n.line, "nodes", i)
     guards_line = h.lines.get("size_guards", 0)
     high = {s: r.high for s, r in declared.items()}
     for g in h.size_guards:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import operator
 import re
 
 import msgspec
@@ -32,7 +33,7 @@ from remat_ir.ir.types import Program, Seq, Sym, Value
 __all__ = [
     "SizeError", "SizeRange", "bind_inputs", "bind_sizes", "check_sizes", "condition_holds", "evaluate", "expr_symbols",
     "format_range", "instantiate", "is_symbolic", "parse_range", "python_code", "size_text", "evaluate_grid",
-    "conditions_grid", "degree",
+    "conditions_grid", "degree", "sym_exprs",
 ]
 
 
@@ -50,6 +51,9 @@ SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FUNCS = ("max", "min")
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Mod: "%"}
 _CMPOPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+# (of ints, or elementwise of tensors)
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
 # Expressions come from shapes; a longer one is no plan's (and would make the checks slow).
 MAX_EXPR_CHARS = 2000
 # Nor is a deeper one; evaluating and printing recurse, so depth is bounded well below Python's stack.
@@ -200,9 +204,7 @@ def condition_holds(text: str, sizes: dict[str, int]) -> bool:
         left = _eval(p.left, sizes)
         for op, right_node in zip(p.ops, p.comparators):
             right = _eval(right_node, sizes)
-            ok = {ast.Eq: left == right, ast.NotEq: left != right, ast.Lt: left < right,
-                  ast.LtE: left <= right, ast.Gt: left > right, ast.GtE: left >= right}[type(op)]
-            if not ok:
+            if not _COMPARE[type(op)](left, right):
                 return False
             left = right
     return True
@@ -212,13 +214,16 @@ def evaluate_grid(text: str | int, grid: dict):
     """The expression at many sizes at once: `grid` maps each symbol to an
     int64 tensor (one entry per point), and so does the result.  Raises
     SizeError naming the first point where a divisor is zero."""
+    return _on_grid(text if type(text) is int else _expr(text), grid, text)
+
+
+def _on_grid(node, grid: dict, text):
+    """`_eval` of a tree (or an int) over `grid`, as a tensor of one value per point."""
     import torch
 
     n = len(next(iter(grid.values()))) if grid else 1
-    if type(text) is int:
-        return torch.full((n,), text, dtype=torch.int64)
     try:
-        out = _eval(_expr(text), grid)
+        out = node if type(node) is int else _eval(node, grid)
         out = out.expand(n).clone() if isinstance(out, torch.Tensor) else torch.full((n,), out, dtype=torch.int64)
     except (OverflowError, RuntimeError) as e:  # (a constant past int64)
         raise SizeError(f"{str(text)[:80]}: a number too large for a size ({e})") from None
@@ -233,8 +238,6 @@ def conditions_grid(texts: list[str], grid: dict):
 
     n = len(next(iter(grid.values()))) if grid else 1
     ok = torch.ones(n, dtype=torch.bool)
-    cmp = {ast.Eq: torch.eq, ast.NotEq: torch.ne, ast.Lt: torch.lt, ast.LtE: torch.le,
-           ast.Gt: torch.gt, ast.GtE: torch.ge}
     # Each part only where the earlier ones held (`and` and chained comparisons
     # stop at the first false one, as `condition_holds` does).
     for text in texts:
@@ -245,8 +248,8 @@ def conditions_grid(texts: list[str], grid: dict):
                 if not len(where):
                     return ok
                 sub = {s: v[where] for s, v in grid.items()}
-                left, right = (evaluate_grid(ast.unparse(x), sub) for x in nodes[k:k + 2])
-                ok[where] = cmp[type(op)](left, right)
+                left, right = (_on_grid(x, sub, text) for x in nodes[k:k + 2])
+                ok[where] = _COMPARE[type(op)](left, right)
     return ok
 
 
@@ -478,15 +481,19 @@ def instantiate(program: Program, sizes: dict[str, int], *, refingerprint: bool 
     return out
 
 
-def _has_sym(args) -> bool:
+def sym_exprs(args):
+    """The size expressions (`Sym`) among a node's arguments, nested lists included."""
     stack = list(args)
     while stack:
         a = stack.pop()
         if type(a) is Sym:
-            return True
-        if type(a) is Seq:
+            yield a.expr
+        elif type(a) is Seq:
             stack.extend(a.items)
-    return False
+
+
+def _has_sym(args) -> bool:
+    return next(sym_exprs(args), None) is not None
 
 
 def value_is_symbolic(v: Value) -> bool:
