@@ -458,9 +458,8 @@ def _run(argv) -> int:
                        f"loss(output, *inputs), returns a scalar loss")
     asked = _sizes_flag(args, program)
     model = load_model(args.model, batch=args.batch, seq=args.seq, device=device, seed=args.seed)
-    shapes = {v.name: v.shape for v in program.values if v.kind == "input"}
-    if sz.is_symbolic(program):
-        shapes = {v.name: v.shape for v in _at_sizes(program, model, asked, args.plan).values if v.kind == "input"}
+    sizes = _at_sizes(program, model, asked, args.plan) if sz.is_symbolic(program) else {}
+    shapes = {v.name: [sz.evaluate(d, sizes) for d in v.shape] for v in program.values if v.kind == "input"}
     r = run_plan(program, model, steps=args.steps, device=device, check=args.check, seed=args.seed,
                  check_model=not args.no_model_check)
     ok_mem = r.within_tolerance()
@@ -540,20 +539,17 @@ def _sizes_flag(args, program) -> dict[str, int]:
     return out
 
 
-def _at_sizes(program, model, asked: dict[str, int], path: str):
-    """A symbolic plan instantiated at the sizes of the model's inputs (as
+def _at_sizes(program, model, asked: dict[str, int], path: str) -> dict[str, int]:
+    """The sizes of a symbolic plan's symbols in the model's inputs (as
     --batch, --seq, --size built them), refused in one line where those are
     not the asked ones or lie outside what the plan covers."""
     from remat_ir.ir import sizes as sz
+    from remat_ir.runtime.run import input_sizes
 
-    inputs = [v for v in program.values if v.kind == "input"]
-    tensors = [x for x in model.inputs if hasattr(x, "shape")]
-    if len(tensors) != len(inputs):
-        raise CliError(f"{path}: the plan takes {len(inputs)} tensor inputs, the model's example gives "
-                       f"{len(tensors)}")
-    sizes, why = sz.bind_sizes([(v.source or v.name, v.shape, list(t.shape)) for v, t in zip(inputs, tensors)])
-    if why:
-        raise CliError(f"{path}: {why}")
+    try:
+        sizes = input_sizes(program, model.inputs)
+    except ValueError as e:
+        raise CliError(f"{path}: {e}") from None
     for name, n in asked.items():
         if sizes.get(name) != n:
             raise CliError(f"--size {name}={n}: the model's example has {name}={sizes.get(name)}; only B and T "
@@ -562,7 +558,7 @@ def _at_sizes(program, model, asked: dict[str, int], path: str):
     if why:
         raise CliError(f"{path}: {why}; give sizes inside its range ({', '.join(program.header.sizes)})")
     print(f"remat-run: running {path} at {', '.join(f'{k}={v}' for k, v in sizes.items())}", file=sys.stderr)
-    return sz.instantiate(program, sizes)
+    return sizes
 
 
 def _check_text(c) -> str:

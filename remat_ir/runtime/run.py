@@ -196,17 +196,27 @@ def _autocast(program: Program):
     return torch.autocast(device_type, dtype=dtype)
 
 
-def _instantiated(program: Program, inputs: tuple) -> Program:
-    """`program` at the sizes of `inputs` (a plan without symbols: itself)."""
-    if not sz.is_symbolic(program):
-        return program
+def input_sizes(program: Program, inputs: tuple) -> dict[str, int]:
+    """The size symbols of a symbolic `program` bound by the tensors among
+    `inputs` (positional, as a model file's `build()` gives them); ValueError
+    when they do not fit its inputs' shapes."""
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     plan_inputs = [v for v in program.values if v.kind == INPUT]
     if len(tensors) != len(plan_inputs):
         raise ValueError(f"the plan takes {len(plan_inputs)} tensor inputs, the call gives {len(tensors)} "
                          "(positional tensors)")
     sizes, why = sz.bind_sizes([(v.source or v.name, v.shape, list(t.shape)) for v, t in zip(plan_inputs, tensors)])
-    why = why or sz.check_sizes(program, sizes)
+    if why:
+        raise ValueError(why)
+    return sizes
+
+
+def _instantiated(program: Program, inputs: tuple) -> Program:
+    """`program` at the sizes of `inputs` (a plan without symbols: itself)."""
+    if not sz.is_symbolic(program):
+        return program
+    sizes = input_sizes(program, inputs)
+    why = sz.check_sizes(program, sizes)
     if why:
         raise ValueError(f"the plan does not cover these inputs: {why}")
     return sz.instantiate(program, sizes)
