@@ -349,10 +349,8 @@ class AutoRemat(WrappedModule):
         """Narrow the range to the call's own sizes at an end where the
         trace's size guards do not hold (`B*T != 4` at B=T=2, `T <= 64` at a
         high end of 128): a plan verifies at both ends of its range.  Where
-        that leaves one size only (the step's Python branches on the exact
-        size: trl's chunked loss loops over `range(B*(T-1))`'s chunks,
-        NEFTune scales its noise by `T*d`), says once that each size is
-        planned on its own."""
+        that leaves one size only, such calls are traced at their sizes from
+        now on (`_fix_sizes`)."""
         from remat_ir.ir import sizes as sz
         from remat_ir.ir.fingerprint import fingerprint
 
@@ -366,12 +364,19 @@ class AutoRemat(WrappedModule):
             sz.format_range(sz.SizeRange(s, sizes[s] if bad_low else r.low, sizes[s] if bad_high else r.high))
             for s, r in sz.ranges(program).items()]
         program.header.fingerprint = fingerprint(program)
-        if _one_size(program) and not self.__dict__.get("_said_exact"):
-            self._said_exact = True
+        if _one_size(program):
             why = (bad_low or bad_high).split("break the plan's ")[-1]
-            print(f"remat-ir: {type(self.module).__name__}'s step depends on its exact sizes ({why}): each "
-                  "size is planned when first seen (padding to a multiple, `pad_to_multiple_of`, keeps "
-                  "them few)", file=sys.stderr)
+            self._fix_sizes(call, f"{type(self.module).__name__}'s step depends on its exact sizes ({why})")
+
+    def _fix_sizes(self, call, why: str) -> None:
+        """Trace calls of this shape class at their own sizes from now on (the
+        model's code fixes them: trl's chunked loss loops over `range(B*(T-1))`'s
+        chunks, NEFTune scales its noise by `T*d`), saying so once."""
+        fixed = self.__dict__.setdefault("_fixed_sizes", set())
+        if call.shape_class() not in fixed:
+            fixed.add(call.shape_class())
+            print(f"remat-ir: {why}; planning each size of such calls on its own (padding to a multiple, "
+                  "`pad_to_multiple_of`, keeps them few)", file=sys.stderr)
 
     def _grown(self, call, shape_class):
         """A symbolic plan of this shape class whose range, grown to this
@@ -442,8 +447,7 @@ class AutoRemat(WrappedModule):
             trace = dict(loss=self.loss_fn, optimizer=o["optimizer"], cost=o["cost"], autocast=call.autocast,
                          as_called=True, live=self.__dict__.setdefault("_reads", []))
             program = None
-            # (a shape class whose code fixed its sizes once is traced at its sizes from then on)
-            fixed = self.__dict__.setdefault("_fixed_sizes", set())
+            fixed = self.__dict__.get("_fixed_sizes", set())  # (`_fix_sizes`)
             dims = self._dynamic_dims(call) if self.dynamic and call.shape_class() not in fixed else {}
             if dims:
                 try:
@@ -454,8 +458,7 @@ class AutoRemat(WrappedModule):
                 except NotReplayableError:
                     raise
                 except TraceError as e:
-                    fixed.add(call.shape_class())
-                    print(f"remat-ir: {e}; planning each size of such calls on its own", file=sys.stderr)
+                    self._fix_sizes(call, str(e))
                     program = None
             traced = program
             if program is None:
