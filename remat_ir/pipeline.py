@@ -282,10 +282,18 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
 
     settings = optimizer_settings(solver, effort, time_limit)
     memo = ladder.LadderMemo() if memo is None else memo
-    nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
-                          stats=stats, memo=memo, exact=exact)
-    with _Clock(stats, "optimize"):
-        result = ladder.optimize(program, nbytes, settings, memo, scope=scope, exact=exact)
+    from remat_ir.check.simulate import SimulationError
+
+    try:
+        nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
+                              stats=stats, memo=memo, exact=exact)
+        with _Clock(stats, "optimize"):
+            result = ladder.optimize(program, nbytes, settings, memo, scope=scope, exact=exact)
+    except SimulationError as e:
+        # The optimizer's own schedule of the traced graph is wrong: no plan, said with the node it
+        # trips on, as a budget that cannot be met (a caller that falls back on one does so here).
+        raise BudgetError(f"no plan for budget {budget}: the optimizer made a schedule the simulator refuses "
+                          f"({e}); please report it") from e
     if stats is not None:
         stats.optimized = result
         stats.add_stages(result.stages)

@@ -199,3 +199,41 @@ def test_block_classes_on_threads_give_the_serial_plan_and_records(tiny):
                      [line.split(": ")[0] for line in lines]))
     assert len({c.signature for c in Problem.of(tiny, SCOPE).decomposition.segs if c.decisions}) > 1
     assert runs[0] == runs[1]
+
+
+def test_a_rewrite_whose_plans_the_simulator_refuses_is_passed_over(wide_head, monkeypatch):
+    """A rewrite that leaves a schedule the simulator refuses (a case its
+    region missed) does not stop planning: that rung is passed over, said
+    with the node, and a budget only it could meet is refused as below the
+    floor, an error `wrap` and `fit` handle, not an internal one."""
+    from remat_ir.check.simulate import SimulationError
+
+    own = ladder.floor(wide_head, memo=ladder.LadderMemo(), scope=SCOPE)
+    assert own.program.header.rewrites  # the wide head's floor is a chunked loss's
+    real = {"floor": search.floor, "optimize": search.optimize}
+
+    def refusing(name):
+        def fn(problem, *args, **kw):
+            if problem.program.header.rewrites:
+                raise SimulationError("d.loss_chunk.add_ reads loss, which is not live")
+            return real[name](problem, *args, **kw)
+        return fn
+
+    monkeypatch.setattr(search, "floor", refusing("floor"))
+    monkeypatch.setattr(search, "optimize", refusing("optimize"))
+    lines: list[str] = []
+    memo = ladder.LadderMemo()
+    graph_floor = ladder.floor(wide_head, memo=memo, scope=SCOPE, log=lines.append)
+    assert not graph_floor.program.header.rewrites and graph_floor.predicted_peak > own.predicted_peak
+    assert any("passed over" in x and "d.loss_chunk.add_" in x for x in lines)
+    with pytest.raises(Infeasible, match="no graph rewrite could be used.*d.loss_chunk.add_") as e:
+        ladder.optimize(wide_head, graph_floor.predicted_peak - 1, memo=ladder.LadderMemo(), scope=SCOPE)
+    assert e.value.floor_bytes == graph_floor.predicted_peak
+    # The graph's own plans failing so is the optimizer's fault: `fit` says so as a BudgetError.
+    from remat_ir.pipeline import BudgetError, fit
+
+    monkeypatch.setattr(search, "optimize", lambda *a, **k: (_ for _ in ()).throw(
+        SimulationError("d.h.0.mlp.gelu reads d.h.0.mlp.fc, which is not live")))
+    with pytest.raises(BudgetError, match="simulator refuses .*d.h.0.mlp.gelu") as e:
+        fit(wide_head, graph_floor.predicted_peak - 1, scope=SCOPE)
+    assert isinstance(e.value.__cause__, SimulationError)

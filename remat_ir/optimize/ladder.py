@@ -37,7 +37,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from remat_ir.check.simulate import SimulationError
 from remat_ir.ir import Program
+from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize import search
 from remat_ir.optimize.problem import Infeasible, Memo, OptimizeResult, Problem, Settings
@@ -47,6 +49,7 @@ from remat_ir.rewrite import (
 )
 
 OWN_BLOCKS = ("(the graph, block by block)",)  # the graph's own floor searched by blocks
+UNUSABLE = 1 << 62  # the floor of a rung whose rewritten schedule the simulator refuses
 
 
 @dataclass
@@ -59,6 +62,7 @@ class LadderMemo:
     settings: dict[tuple, Settings] = field(default_factory=dict)  # rung -> the settings it is planned with
     floors: dict[tuple, int] = field(default_factory=dict)  # rung -> its floor, once searched
     floor_rung: tuple | None = None  # the rung of the ladder's floor (`floor`), once searched
+    unusable: dict[tuple, str] = field(default_factory=dict)  # rung -> why the simulator refuses its plans
     blocks: dict = field(default_factory=dict)  # block options, shared by every rung (`Memo.shared`)
     bound_to: tuple | None = None
 
@@ -123,10 +127,24 @@ class _Ladder:
         return m.settings[rung]
 
     def _call(self, what: str, rung: tuple, fn, *args, **kw) -> OptimizeResult:
+        """One search of a rung.  A rewrite whose plans the simulator refuses
+        (a rewrite that missed a case of its region: a bug, said in the log
+        with the node) is passed over as if its floor were unreachable, so the
+        ladder goes on with the others; the graph's own plans are not."""
+        if rung in self.memo.unusable:
+            raise Infeasible(self.memo.unusable[rung], UNUSABLE, None, self.scope)
         t0 = time.perf_counter()
         memo = self.memo.memos.setdefault(rung, Memo(shared=self.memo.blocks))
         try:
             r = fn(self.problem(rung), *args, self.rung_settings(rung), memo, log=self.log, **kw)
+        except SimulationError as e:
+            if rung in ((), OWN_BLOCKS):
+                raise
+            why = self.memo.unusable[rung] = (f"the rewrite {describe(list(rung))} makes a schedule the simulator "
+                                              f"refuses ({e}); passed over")
+            if self.log:
+                self.log(why)
+            raise Infeasible(why, UNUSABLE, None, self.scope) from e
         finally:
             label = f"{what} " + ("the graph" if not rung else "the graph by blocks" if rung == OWN_BLOCKS
                                   else describe(list(rung)))
@@ -136,7 +154,10 @@ class _Ladder:
 
     def floor_of(self, rung: tuple) -> int:
         if rung not in self.memo.floors:
-            self.memo.floors[rung] = self._call("floor of", rung, search.floor).predicted_peak
+            try:
+                self.memo.floors[rung] = self._call("floor of", rung, search.floor).predicted_peak
+            except Infeasible:  # (a floor search refuses nothing: the rung is unusable)
+                self.memo.floors[rung] = UNUSABLE
         return self.memo.floors[rung]
 
     def optimize(self, rung: tuple, budget: int, prove: bool = False) -> OptimizeResult:
@@ -287,6 +308,11 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         # Nothing fits: refuse with the lowest floor a rung reached (every
         # family's last was tested; the last rung's need not be the lowest).
         low = min((i for i in tested if steps[i] in m.floors), key=lambda i: (m.floors[steps[i]], i))
+        if m.floors[steps[low]] == UNUSABLE:
+            own_floor = lad.floor_of(own)
+            raise Infeasible(f"budget is below the floor: the smallest activation peak this graph allows is "
+                             f"{human_bytes(own_floor)}, and no graph rewrite could be used ("
+                             + "; ".join(m.unusable.values()) + ")", own_floor, budget, scope)
         try:
             return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
         except Infeasible as e:
