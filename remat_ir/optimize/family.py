@@ -333,6 +333,23 @@ class Analysis:
                 diff[d + 1] -= values[s].nbytes
         self.fwd_asap = np.cumsum(diff)[:nf]
 
+    def peak_lower_bound(self) -> int:
+        """A peak no plan goes under: the forward pass with every value freed
+        as soon as it can be, the start of backward, and each backward node
+        with the storages it reads live (kept or recomputed before it, every
+        plan holds them there), on top of the constants.  A floor search
+        whose plan reaches it is done; a budget under it needs no search."""
+        lb = self.__dict__.get("_lower_bound")
+        if lb is None:
+            at = self.const_b.copy()
+            for st in self.storages:
+                if st.reads:
+                    at[np.asarray(st.reads, dtype=np.int64)] += st.size
+            fwd = self.base_f + self.fwd_asap
+            lb = max(int(fwd.max()) if len(fwd) else 0, int(self.const_start), int(at.max()) if len(at) else 0)
+            self.__dict__["_lower_bound"] = lb
+        return lb
+
     # ------------------------------------------------------------ plans
 
     def keep_of(self, decisions: set[int] | frozenset[int]) -> list[bool]:

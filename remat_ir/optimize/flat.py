@@ -15,11 +15,25 @@ from remat_ir.optimize.milp import FLAT, KeepModel
 from remat_ir.optimize.problem import Plan, Run
 
 
+class Overworked(Exception):
+    """The flat search passed its work limit (`Settings.flat_work`) on a
+    graph the decomposed search can plan; `best` is its least-peak plan so
+    far (a floor search), or None."""
+
+    def __init__(self, best: Plan | None, work: int):
+        super().__init__(f"the flat search passed its work limit ({work:,} node x row units)")
+        self.best = best
+
+
 def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
     """The cheapest plan that fits `budget` (None: the least peak, then the
     least recompute), and whether the MILP proved it optimal.  The plan is
     None when none fits (the budget is below the floor)."""
     a, st = run.a, run.settings
+    least = a.peak_lower_bound()
+    if budget is not None and budget < least:
+        run.say(f"budget {human_bytes(budget)} is under {human_bytes(least)}, what every plan holds at some point")
+        return None, True
     objective = "cost" if budget is not None else "peak"
     what = f"budget {human_bytes(budget)}" if budget is not None else "floor"
     # Each search starts from the start-of-backward row alone.  Rows one
@@ -43,13 +57,24 @@ def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
             return plan, proven
         return best, False
 
+    work = 0
+    blocks = run.problem.decomposition.blocks >= 2
     for rnd in range(2 * st.lazy_rounds):
         m = KeepModel(a).build(active)
         c = m.compile(objective)
         if budget is not None:
             c.B.value = float(budget)
-        kept, rec = run.solve(c, FLAT, what, round=rnd + 1, nodes=nodes, rel_gap=st.flat_gap)
+        rows = max(m.n_constraints, 1)
+        limit = min(nodes, max(st.flat_round_work // rows, 1))
+        if blocks and work + limit * rows > st.flat_work:
+            run.memo.flat_overworked = True
+            raise Overworked(best, work + limit * rows)
+        work += limit * rows
+        kept, rec = run.solve(c, FLAT, what, round=rnd + 1, nodes=limit, rel_gap=st.flat_gap)
         if kept is None:
+            if blocks and limit < nodes and rec.status != "infeasible":
+                run.memo.flat_overworked = True  # (no plan within the work a round may do)
+                raise Overworked(best, work)
             if nodes == st.round_nodes or rec.status == "infeasible":
                 return done(None)
             nodes = st.round_nodes  # no plan within the round's node limit: search further
@@ -57,6 +82,13 @@ def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
         prof = occupancy(a, a.keep_of(kept), range(len(a.storages)))
         if budget is None:
             best = done(run.evaluate(kept))[0]
+            if best.peak <= least:
+                # No plan holds less: this is the floor.  The least recompute
+                # at it is a search at that budget (rows and a cost objective).
+                cheaper, _ = search(run, best.peak)
+                if cheaper is not None and cheaper.cost < best.cost:
+                    best = cheaper
+                return best, True
         limit = float(budget) if budget is not None else float(c.B.value) + 0.5
         over = m.rows_over(prof, limit)
         if ("tail",) in over:

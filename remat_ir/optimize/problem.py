@@ -52,6 +52,14 @@ class Settings:
     # Proving the last fraction of a percent on chains of identical blocks
     # (symmetric decisions) can take a minute.
     flat_gap: float = 5e-3
+    # How much branch-and-bound one flat search may do, in node x constraint
+    # units (a round's node limit times its model's rows: the work of a
+    # node's LP grows with its rows).  A round's node limit shrinks to fit
+    # `flat_round_work`; past `flat_work` in all, a graph with blocks is
+    # planned block by block instead (the result says so).  Counts, not
+    # seconds: the same on every machine.
+    flat_round_work: int = 10_000_000
+    flat_work: int = 30_000_000
     # Rows added per round: where the plan holds the most (docs/02-optimizer.md).
     floor_rows_per_round: int = 32
     budget_rows_per_round: int = 4
@@ -216,6 +224,9 @@ class Memo:
     peak_bounds: dict[str, float] = field(default_factory=dict)
     floor_options_proven: bool = False  # the least-peak option MILPs solved again to the option gap
     floor: Floor | None = None
+    # The flat search passed its work limit on this problem (`Settings.flat_work`):
+    # its searches are the decomposed one's from then on.
+    flat_overworked: bool = False
     # Block options by (class signature, node names), shared by the memos of
     # graphs that hold the same blocks (the rewrite ladder's rungs); None: not shared.
     shared: dict | None = None

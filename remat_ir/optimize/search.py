@@ -97,6 +97,9 @@ def _result(run: Run, plan: Plan, budget: int | None, mode: str, t0: float) -> O
     out = apply_plan(run.a, plan.keep, Budget(budget if budget is not None else plan.peak, p.scope))
     # The result owns its graph: editing it must not change the input program.
     out = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=Program)
+    if mode == "decomposed" and run.memo.flat_overworked:
+        out.header.comment.append(f"strategy: block by block, the flat search having passed its work limit "
+                                  f"({run.settings.flat_work:,} node x row units)")
     return OptimizeResult(
         program=out, predicted_peak=int(plan.peak), extra_cost=float(plan.cost), base_cost=p.base_cost,
         solves=list(run.solves), seconds=time.perf_counter() - t0, budget=budget, scope=p.scope, mode=mode,
@@ -133,12 +136,17 @@ def _floor(run: Run) -> Floor:
     """The floor, from the memo or searched once and kept there."""
     memo, p = run.memo, run.problem
     if memo.floor is None:
-        dec = p.decomposes(run.settings)
+        dec = p.decomposes(run.settings) or memo.flat_overworked
+        flat_best = None
+        if not dec:
+            try:
+                plan, proven = _flat.search(run, None)
+            except _flat.Overworked as e:
+                run.say(f"{e}: the floor searched block by block")
+                dec, flat_best = True, e.best
         if dec:
             plan, proven = _decomposed.floor(run), False
-        else:
-            plan, proven = _flat.search(run, None)
-        cands = [q for q in (plan, run.keep_all(), run.evaluate(set())) if q is not None]
+        cands = [q for q in (plan, flat_best, run.keep_all(), run.evaluate(set())) if q is not None]
         best = min(cands, key=lambda q: (q.peak, q.cost))
         memo.floor = Floor(best, "decomposed" if dec else "flat", proven and best is plan, not dec,
                            run.time_limited)
@@ -189,10 +197,14 @@ def optimize(problem, budget: int, settings: Settings | None = None, memo: Memo 
             # recompute) is the answer; searching again at its peak is the
             # hardest budget there is.
             plan, mode = memo.floor.plan, memo.floor.strategy
-        elif dec:
-            plan = _decomposed.search(run, budget)
+        elif dec or memo.flat_overworked:
+            plan, mode = _decomposed.search(run, budget), "decomposed"
         else:
-            plan, _ = _flat.search(run, budget)
+            try:
+                plan, _ = _flat.search(run, budget)
+            except _flat.Overworked as e:
+                run.say(f"{e}: planning block by block")
+                plan, mode = _decomposed.search(run, budget), "decomposed"
         if plan is not None and plan.peak > budget:  # the flat model is exact: a backend's bad point
             plan = None
         if plan is None and not prove and memo.floor is None:
