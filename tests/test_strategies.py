@@ -237,3 +237,27 @@ def test_a_rewrite_whose_plans_the_simulator_refuses_is_passed_over(wide_head, m
     with pytest.raises(BudgetError, match="simulator refuses .*d.h.0.mlp.gelu") as e:
         fit(wide_head, graph_floor.predicted_peak - 1, scope=SCOPE)
     assert isinstance(e.value.__cause__, SimulationError)
+
+
+def test_past_its_work_limit_the_flat_search_hands_a_graph_with_blocks_to_the_block_search(stacked):
+    """The flat search's work is counted in node x row units, not seconds:
+    past `flat_work` a graph with blocks is planned block by block, the
+    plan's header says so, and the plan is the same on every run."""
+    small = Settings.of("fast", flat_work=1)
+    budget = int(0.6 * unoptimized_peak(stacked, SCOPE))
+    plans = []
+    for _ in range(2):
+        lines: list[str] = []
+        r = search.optimize(stacked, budget, small, Memo(), scope=SCOPE, log=lines.append)
+        assert r.mode == "decomposed" and r.predicted_peak <= budget
+        assert any("work limit" in x for x in lines)
+        assert any(c.startswith("strategy: block by block") for c in r.program.header.comment)
+        assert not verify(r.program).errors
+        plans.append(format_program(r.program))
+    assert plans[0] == plans[1]
+    # The floor keeps the least peak either search found.
+    memo = Memo()
+    f = search.floor(stacked, small, memo, scope=SCOPE)
+    assert memo.flat_overworked and f.predicted_peak >= search.floor(stacked, scope=SCOPE).predicted_peak
+    # Within the limit, nothing changes.
+    assert search.optimize(stacked, budget, scope=SCOPE).mode == "flat"
