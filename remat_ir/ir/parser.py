@@ -90,8 +90,8 @@ _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 # expects it: elsewhere the same word is a name.
 KEYWORDS = frozenset({
     "rir", "model", "fingerprint", "device", "cost", "flops", "profile", "optimizer", "bytes",
-    "budget", "total", "activations", "host_budget", "has_loss", "output_spec", "rewrites", "autocast", "held_gradients",
-    "constants", "guards", "sizes", "size_guards",
+    "budget", "total", "activations", "host_budget", "has_loss", "output_spec", "rewrites", "autocast",
+    "held_gradients", "constants", "guards", "sizes", "size_guards",
     "true", "false",
     "values", "input", "param", "buffer", "tangent", "value", "stride", "view", "of", "source",
     "requires_grad", "aliases", "graph", "forward", "backward", "_", "none", "inf", "nan",

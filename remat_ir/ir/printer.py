@@ -15,8 +15,8 @@ import msgspec
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
-    BACKWARD, FORWARD, FREE, OFFLOAD, RELOAD, RESULT, VALUE, WAIT, Device, DType, Instr, Layout, MemoryFormat, Node, Output,
-    Program, Ref, Seq, Special, Sym, Value,
+    BACKWARD, FORWARD, FREE, OFFLOAD, RELOAD, RESULT, VALUE, WAIT, Device, DType, Instr, Layout, MemoryFormat, Node,
+    Output, Program, Ref, Seq, Special, Sym, Value,
 )
 from remat_ir.ir.syntax import (
     DEVICE_BARE_RE, ESCAPE_RE, KWARG_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SIZE_RANGE_RE, SPECIALS,
