@@ -522,3 +522,61 @@ def test_plans_run_bitwise_through_the_stream_copy_logic(monkeypatch):
     assert len(fake.pinned_made) == n_offloads
     assert sum(1 for e in fake.log if e[0] == "wait" and e[1] == "compute") == 3 * 2 * n_offloads
     assert torch.is_tensor(fake.pinned_made[0])
+
+
+# ---------------------------------------------------------------- commands
+
+
+@pytest.fixture(scope="module")
+def mlp_offload_file(tmp_path_factory):
+    from remat_ir.ir.files import save_plan
+
+    _, p = _offloaded("mlp", "all")
+    p.header.host_budget = simulate(p).host_peak_bytes
+    path = tmp_path_factory.mktemp("offload") / "mlp-offload.rir"
+    save_plan(p, path)
+    return path
+
+
+def test_commands_report_the_host_pool(mlp_offload_file, capsys):
+    import json
+
+    from remat_ir.cli.commands import run_main, verify_main
+
+    host = simulate(load_plan(mlp_offload_file)).host_peak_bytes
+    assert verify_main([str(mlp_offload_file), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_host_peak_bytes"] == host
+    assert verify_main([str(mlp_offload_file)]) == 0
+    out = capsys.readouterr().out
+    assert "offloaded to the host: 14 copies, host pool peak 769.3 KiB at line" in out
+    assert run_main([str(mlp_offload_file), "mlp", "--steps", "2", "--check", "--json", "--no-model-check"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["predicted_host_peak_bytes"] == data["measured_host_peak_bytes"] == host
+    assert data["predicted_first_step_host_peak_bytes"] == data["measured_first_step_host_peak_bytes"] == host
+    assert data["grads_bitwise"] and data["memory_within_tolerance"]
+    assert run_main([str(mlp_offload_file), "mlp", "--steps", "1", "--no-model-check"]) == 0
+    table = capsys.readouterr().out
+    assert "host pool, first step" in table and "host pool, later step" in table
+    assert "host pool, later step          769.3 KiB   769.3 KiB     0.00%" in table
+
+
+def test_show_lists_the_offloads_and_draws_the_host_pool(mlp_offload_file, tmp_path, capsys):
+    from remat_ir.cli.show import main
+
+    assert main([str(mlp_offload_file)]) == 0
+    out = capsys.readouterr().out
+    assert "offloaded to the host: 14 values, host peak 769.3 KiB at line" in out
+    assert "(host budget 769.3 KiB)" in out
+    row = next(ln for ln in out.splitlines() if "  net.1.relu  (" in ln)
+    assert row.strip().startswith("64.0 KiB") and "offload line" in row and "reload line" in row
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    assert main([str(mlp_offload_file), "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+def test_show_without_offloads_says_nothing_of_them(capsys):
+    from remat_ir.cli.show import main
+
+    assert main(["schedules/mlp.rir"]) == 0
+    assert "offload" not in capsys.readouterr().out

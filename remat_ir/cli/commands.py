@@ -388,6 +388,7 @@ def _verify(argv) -> int:
             out["predicted_peak_bytes"] = verdict.report.peak_bytes
             out["predicted_first_step_peak_bytes"] = verdict.report_first_step.peak_bytes
             out["activation_peak_bytes"] = verdict.report.activation_peak_bytes
+            out["predicted_host_peak_bytes"] = verdict.report.host_peak_bytes
         print(json.dumps(out))
         return EXIT_OK if verdict.ok else failed
     if not verdict.ok:
