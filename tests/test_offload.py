@@ -348,6 +348,43 @@ def test_offload_plans_run_bitwise_and_as_predicted(name, which):
     assert r.predicted.peak_bytes <= simulate(plan).peak_bytes
 
 
+class _MlpBatch:
+    """The model of tests/plans/mlp-batch.rir: relu(x @ w1) @ w2, summed by its loss."""
+
+    @staticmethod
+    def build(batch: int):
+        import torch
+
+        from remat_ir.runtime.load import LoadedModel
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w1 = torch.nn.Parameter(torch.randn(4, 8))
+                self.w2 = torch.nn.Parameter(torch.randn(8, 3))
+
+            def forward(self, x):
+                return torch.relu(x @ self.w1) @ self.w2
+
+        torch.manual_seed(0)
+        return LoadedModel(name="mlp-batch", module=M(), inputs=(torch.randn(batch, 4),),
+                           loss=lambda out, x: out.sum())
+
+
+@pytest.mark.parametrize("batch", [2, 5, 8])
+def test_a_symbolic_plan_with_offloads_runs_at_each_size_as_predicted(batch):
+    from remat_ir.check.verify import verify
+    from remat_ir.runtime.run import run_plan
+
+    p = with_offloads(load_plan("tests/plans/mlp-batch.rir"), ["h"])
+    assert verify(p).ok
+    r = run_plan(p, _MlpBatch.build(batch), steps=2, check=True, check_model=False)
+    assert r.grads_bitwise and r.loss_bitwise
+    assert r.measured_host_peak == r.measured_first_host_peak == r.predicted.host_peak_bytes == 32 * batch
+    assert 0 <= r.measured_peak - r.predicted.peak_bytes <= 4
+    assert 0 <= r.measured_first_peak - r.predicted_first.peak_bytes <= 4
+
+
 def test_a_traced_model_runs_with_offloads_checked_against_its_model():
     """A plan traced here (not a stored one), its activations offloaded,
     wrapped with the model check on: as eager, bitwise, and as predicted."""
