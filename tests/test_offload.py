@@ -617,3 +617,64 @@ def test_show_without_offloads_says_nothing_of_them(capsys):
 
     assert main(["schedules/mlp.rir"]) == 0
     assert "offload" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(given is None, reason="needs hypothesis")
+def test_an_edited_offload_plan_is_refused_at_a_line_or_runs_right():
+    """Random edits of the offload instructions of a sound plan (delete,
+    move, duplicate, a new offload, reload, wait or free anywhere): each
+    edited plan is refused at a line, or, called sound, runs bitwise with
+    eager and with both pools as predicted.  (tests/test_trust.py does so
+    for the rest of a plan.)"""
+    import msgspec
+
+    from remat_ir.check.verify import verify
+    from remat_ir.runtime.load import load_model
+    from remat_ir.runtime.run import run_plan
+
+    _, base = _offloaded("mlp", "all")
+    names = [v.name for v in base.values]
+    runs = []
+
+    @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        p = msgspec.convert(msgspec.to_builtins(base), type(base))
+        sections = [p.forward, p.backward]
+        for _ in range(data.draw(st.integers(1, 2))):
+            what = data.draw(st.sampled_from(["delete", "move", "duplicate", "insert", "nudge", "nudge",
+                                              "drop a value's offload"]))
+            sec = data.draw(st.sampled_from(sections))
+            transfers = [i for i, ins in enumerate(sec) if ins.kind in (OFFLOAD, RELOAD, WAIT)]
+            if what == "nudge" and transfers:  # a few places up or down: often still sound
+                i = data.draw(st.sampled_from(transfers))
+                ins = sec.pop(i)
+                sec.insert(min(max(i + data.draw(st.integers(-3, 3)), 0), len(sec)), ins)
+            elif what == "drop a value's offload" and transfers:
+                v = sec[data.draw(st.sampled_from(transfers))].target
+                for part in sections:
+                    part[:] = [ins for ins in part if ins.target != v or ins.kind not in (OFFLOAD, RELOAD, WAIT)]
+            elif what not in ("insert", "nudge") and transfers:
+                i = data.draw(st.sampled_from(transfers))
+                ins = sec.pop(i) if what != "duplicate" else sec[i]
+                if what != "delete":
+                    dst = data.draw(st.sampled_from(sections))
+                    dst.insert(data.draw(st.integers(0, len(dst))), ins)
+            else:
+                kind = data.draw(st.sampled_from([OFFLOAD, RELOAD, WAIT, "free"]))
+                sec.insert(data.draw(st.integers(0, len(sec))), Instr(kind, data.draw(st.sampled_from(names))))
+        q = parse_program(format_program(p), "edited.rir")
+        verdict = verify(q, graph=False)
+        if not verdict.ok:
+            assert all(d.line > 0 for d in verdict.errors), str(verdict)
+            return
+        r = run_plan(q, load_model("mlp"), steps=1, check=True, check_model=False)
+        runs.append(r)
+        assert r.grads_bitwise and r.loss_bitwise, r.checks
+        assert 0 <= r.measured_peak - r.predicted.peak_bytes <= 4
+        assert 0 <= r.measured_first_peak - r.predicted_first.peak_bytes <= 4
+        assert r.measured_host_peak == r.predicted.host_peak_bytes
+        assert r.measured_first_host_peak == r.predicted_first.host_peak_bytes
+
+    check()
+    assert runs, "no edit kept the plan sound"  # (a wait moved within its window, an offload dropped, ...)
