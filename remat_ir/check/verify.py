@@ -810,11 +810,14 @@ class _Verifier:
                 if o not in values:
                     continue
                 if o in self.on_host or o in self.copying:
-                    at = self.copying[o][1] if o in self.copying else self.on_host[o][0]
-                    state = "on its way to the host" if self.copying.get(o, ("",))[0] == OFFLOAD else \
-                        "being reloaded" if o in self.copying else "on the host"
-                    self.err(loc, f"{verb} {name}: its output {o} is {state} (offloaded at {_where(at)}); "
-                                  f"reload {o} instead of recomputing it, or free {o} before this {verb}")
+                    if o in self.copying:
+                        kind, at = self.copying[o]
+                        state = f"{'on its way to the host' if kind == OFFLOAD else 'being reloaded'} " \
+                                f"({kind} at {_where(at)})"
+                    else:
+                        state = f"on the host (offloaded at {_where(self.on_host[o][0])})"
+                    self.err(loc, f"{verb} {name}: its output {o} is {state}; reload {o} instead of "
+                                  f"recomputing it, or free {o} before this {verb}")
                     offloaded.add(o)
                     ok = False
                     continue
