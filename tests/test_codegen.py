@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remat_ir.ir import (
-    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT, VALUE,
+    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, INPUT, OFFLOAD, PARAM, RECOMPUTE, RELOAD, RESULT, TANGENT, VALUE, WAIT,
     Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program, Ref, Seq, Special, Sym, Value,
 )
 from remat_ir.runtime.bind import PlanMismatch
@@ -99,6 +99,11 @@ def programs(draw) -> Program:
     forward += [Instr(FREE, v) for v in draw(st.lists(st.sampled_from(names), max_size=3))]
     backward = [Instr(RECOMPUTE, n) for n in draw(st.lists(st.sampled_from(order), max_size=3))]
     backward += [Instr(FREE, v) for v in draw(st.lists(st.sampled_from(names), max_size=2))]
+    # Offload instructions, anywhere: the code calls the step's transfers with the value's name.
+    for section in (forward, backward):
+        for kind, v in draw(st.lists(st.tuples(st.sampled_from([OFFLOAD, RELOAD, WAIT]), st.sampled_from(names)),
+                                     max_size=3)):
+            section.insert(draw(st.integers(0, len(section))), Instr(kind, v))
     outputs = [Output(RESULT, "0", draw(st.sampled_from(names)))]
     outputs += [Output(GRAD, draw(nasty), v) for v in draw(st.lists(st.sampled_from(produced), max_size=3))]
     return Program(header=Header(), values=values, nodes=nodes, forward=forward, backward=backward,
@@ -137,7 +142,7 @@ class Shapes:
         assert type(fn) is ast.FunctionDef and fn.name == name
         assert not fn.decorator_list and fn.returns is None
         a = fn.args
-        assert [x.arg for x in a.args] == ["E", "R", "C", "S", "get_rng", "set_rng"]
+        assert [x.arg for x in a.args] == ["E", "R", "C", "S", "X", "get_rng", "set_rng"]
         assert not (a.posonlyargs or a.kwonlyargs or a.defaults or a.kw_defaults or a.vararg or a.kwarg)
         for s in fn.body[:-1]:
             self.statement(s)
@@ -170,6 +175,19 @@ class Shapes:
                 assert d.id in ("_r", "_s")
             else:
                 assert self.subscript(d, "E") in self.value_names
+            return
+        if t is ast.Expr and type(s.value.func) is ast.Attribute:  # X.offload('v', E['v']), X.wait('v', E), ...
+            c = s.value
+            assert self.is_name(c.func.value, "X") and not c.keywords
+            assert c.func.attr in ("offload", "reload", "wait", "free")
+            assert self.string_const(c.args[0]) in self.value_names
+            rest = {"offload": "E[name]", "wait": "E"}.get(c.func.attr)
+            if rest is None:
+                assert len(c.args) == 1
+            elif rest == "E":
+                assert len(c.args) == 2 and self.is_name(c.args[1], "E")
+            else:
+                assert len(c.args) == 2 and self.subscript(c.args[1], "E") == c.args[0].value
             return
         if t is ast.Expr:  # set_rng(R[...]) / set_rng(_s)
             c = s.value
@@ -276,7 +294,7 @@ def test_generated_code_has_only_its_own_shapes(program):
     fns = [(exe.forward_fn, "forward")] + [(fn, f"backward_{i}") for i, (fn, _) in enumerate(exe.segments)]
     for fn, name in fns:
         shapes.function(fn.source, name)
-    scheduled = sum(1 for i in program.forward + program.backward if i.kind != FREE)
+    scheduled = sum(1 for i in program.forward + program.backward if i.kind in (COMPUTE, RECOMPUTE))
     assert shapes.calls == scheduled
     # The constants are the ops and torch's dtypes, layouts, memory formats and devices.
     for c in exe.consts:
@@ -294,7 +312,7 @@ def _one_node_program(node: Node, inputs=("x", "y")) -> Program:
 
 
 def _run_forward(exe: Executable, env: dict) -> dict:
-    exe.forward_fn(env, {}, exe.consts, {}, torch.get_rng_state, torch.set_rng_state)
+    exe.forward_fn(env, {}, exe.consts, {}, None, torch.get_rng_state, torch.set_rng_state)
     return env
 
 
@@ -338,5 +356,5 @@ def test_sizes_are_computed_from_the_steps_sizes():
     exe = Executable(program)
     x = torch.arange(12.0).reshape(3, 4)
     env = {"x": x}
-    exe.forward_fn(env, {}, exe.consts, {"B": 3, "T": 4}, torch.get_rng_state, torch.set_rng_state)
+    exe.forward_fn(env, {}, exe.consts, {"B": 3, "T": 4}, None, torch.get_rng_state, torch.set_rng_state)
     assert env["z"].shape == (6, 2) and torch.equal(env["z"], x.view(6, 2))
