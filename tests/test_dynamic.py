@@ -142,6 +142,29 @@ def test_max_shape_sets_the_range(tmp_path, monkeypatch, capsys):
     assert "at B=3, T=40" in capsys.readouterr().out
 
 
+
+def test_a_bias_whose_size_is_b_times_t_here_fixes_no_size():
+    """A linear layer's bias (d,) and its matmul's (B*T, d), compared as
+    shapes by the trace's pointwise strides, are not a decision on the sizes
+    when B*T == d at the traced call (Whisper's encoder: 2 x 32 frames, d=64):
+    the plan has no guard `B*T == 8`, which would fix B and T to this call's."""
+    from remat_ir.pipeline import trace
+    from remat_ir.trace.calls import dynamic_dims, split_call
+
+    class Proj(torch.nn.Module):
+        def __init__(self, d=8):
+            super().__init__()
+            self.emb, self.proj = torch.nn.Embedding(16, d), torch.nn.Linear(d, d)
+
+        def forward(self, input_ids):
+            return self.proj(self.emb(input_ids)).sum()
+
+    torch.manual_seed(0)
+    model, ids = Proj(), torch.randint(0, 16, (2, 4))
+    program = trace(model, (ids,), dynamic=dynamic_dims(split_call(model, (ids,))))
+    assert program.header.sizes == ["B=2..2", "T=2..4"] and program.header.size_guards == []
+
+
 # ------------------------------------------------------------ the language
 
 

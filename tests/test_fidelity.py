@@ -1,6 +1,7 @@
 """The planned step is eager's step, on the transformers families users train.
 
-For each family (small configs called with masks, labels, LoRA adapters:
+For each family (small configs called with masks, labels, LoRA adapters,
+or without a mask; a state-space LM, a speech model, a diffusion UNet:
 `remat_ir.models.families`): the traced step runs eager's aten ops in eager's
 order (`remat_ir.trace.fidelity.compare`), and three AdamW steps through
 `remat_ir.wrap(model, budget=0.5)` leave the parameters bitwise equal to
@@ -17,10 +18,11 @@ from remat_ir.models.families import FAMILIES  # noqa: E402
 from remat_ir.side_by_side import train_side_by_side  # noqa: E402
 from remat_ir.trace.fidelity import compare  # noqa: E402
 
-FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "qwen3-moe", "mistral", "gemma2", "distilbert",
-                "modernbert", "t5", "bart", "vit", "clip", "convnext"]
-# Families that need a package the `test` extra does not install.
-NEEDS = {"llama-lora": "peft", "convnext": "timm"}
+FAMILY_NAMES = ["llama", "llama-padded", "llama-lora", "mixtral", "qwen3-moe", "mistral", "gemma2", "phi3", "mamba",
+                "distilbert", "modernbert", "t5", "bart", "t5-nomask", "bart-nomask", "whisper", "vit", "clip",
+                "convnext", "unet"]
+# Families that need a package beside transformers (timm: the `test` extra does not install it).
+NEEDS = {"llama-lora": "peft", "convnext": "timm", "unet": "diffusers"}
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

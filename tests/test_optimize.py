@@ -590,6 +590,22 @@ def test_time_limit_without_a_solution_is_not_a_plan(decompose):
         check_plan(r, p, budget, "activations")
 
 
+def test_a_refusal_says_whether_the_time_limit_cut_it_short():
+    """Below the floor, `Infeasible.time_limited` says whether the floor it
+    names is only the best a search cut short found (the search's and the
+    rewrite ladder's refusals alike).  Block by block, the search looks at
+    its deadline before each block's first MILP: a deadline already past
+    cuts it short however fast the machine."""
+    from remat_ir.optimize import ladder
+
+    p = stacked_program(6)
+    for strategy in (optimize, ladder.optimize):
+        for tl, cut in ((1e-6, True), (300, False)):
+            with pytest.raises(Infeasible) as e:
+                strategy(p, 1000, scope="activations", time_limit=tl, decompose=True)
+            assert e.value.time_limited is cut and ("time limit" in str(e.value)) is cut
+
+
 def test_a_budget_round_takes_its_rows_apart_then_the_highest_of_the_rest():
     over = {("b", 10): 900, ("q", 11, 0): 899, ("b", 11): 898, ("q", 12, 3): 897,  # one peak
             ("b", 20): 800, ("f", 5): 700, ("f", 6): 699, ("b", 30): 600}

@@ -6,6 +6,7 @@ the targets, as a markdown table.
     .venv/bin/python tools/optimize_times.py --cases flat --solves              # the flat search's twelve budgets
     .venv/bin/python tools/optimize_times.py --cases flat --solves --set budget_rows_per_round=1000000 --set rows_apart=-1
     .venv/bin/python tools/optimize_times.py --cases flat --budgets floor --solves --set floor_rows_per_round=16
+    .venv/bin/python tools/optimize_times.py --cases corpus --only mistral,t5-nomask   # families as wrap plans them
 
 Each model is traced once (fake tensors where it is large); each row then
 times `remat_ir.optimize.search.optimize` cold (a fresh problem and memo:
@@ -19,10 +20,19 @@ at a time).  Budgets are fractions of the unoptimized peak in `--scope`.
 
 Case sets (`--cases`): `targets` (the default: the models and budgets the
 optimizer is held to, and the gpt2-tiny `--pareto` sweep), `gpt2`
-(gpt2-small and gpt2-medium 4 x 512, fake: the floor and 0.7/0.5/0.3) and
+(gpt2-small and gpt2-medium 4 x 512, fake: the floor and 0.7/0.5/0.3),
 `flat` (twelve budgets of graphs the flat search plans whole: gpt2-tiny,
-the 2-layer transformers GPT-2, the 3-layer transformers Llama).  `--budgets`
-replaces every case's budgets.
+the 2-layer transformers GPT-2, the 3-layer transformers Llama) and
+`corpus` (every family of `remat_ir.models.families`, traced with real
+tensors as users call them, at 0.5, 0.3 and the floor, each planned as
+`remat_ir.wrap` plans it: the rewrite ladder, `ladder.optimize` and
+`ladder.floor`; a family whose package is missing is a skipped row).
+`--budgets` replaces every case's budgets.
+
+The `refused` column says where a budget is below the floor (the floor, in
+bytes and as a share of the unoptimized peak), `time limit` where the
+optimizer's safety time limit (`--set time_limit=...`) cut a search short:
+the row's plan, or the floor a refusal names, is then only the best found.
 
 Settings: `--effort` and `--set FIELD=VALUE` (repeatable) make the
 `remat_ir.optimize.problem.Settings` of every solve (`Settings.of(effort,
@@ -45,6 +55,7 @@ from typing import Callable, NamedTuple
 
 from remat_ir.ir.printer import format_program, human_bytes
 from remat_ir.ir.types import SCOPES
+from remat_ir.models.families import FAMILIES
 from remat_ir.optimize import ladder, search
 from remat_ir.optimize.milp import FLAT
 from remat_ir.optimize.pareto import sweep
@@ -111,6 +122,18 @@ def encoder_decoder(kind: str, layers: int):
             call = {"input_ids": torch.randint(0, 1000, (4, 64)), "attention_mask": torch.ones(4, 64, dtype=torch.long),
                     "labels": torch.randint(0, 1000, (4, 32))}
         return trace(model, (), call, name=f"transformers {kind} {layers}+{layers}", fake=True)
+    return make
+
+
+def family(name: str):
+    """A family of `remat_ir.models.families` (small config, random weights)
+    traced with real tensors as its usual training call makes them."""
+    def make():
+        from remat_ir.models.families import FAMILIES
+
+        model, kwargs = FAMILIES[name]()
+        model.train()
+        return trace(model, (), kwargs, name=name)
     return make
 
 
@@ -182,7 +205,10 @@ FLAT_CASES = [
     Case("transformers Llama, 3 layers", llama3, (0.6, 0.7)),
 ]
 
-CASE_SETS = {"targets": CASES, "gpt2": GPT2_CASES, "flat": FLAT_CASES}
+# Every family of the corpus at two budgets and the floor, as `wrap` plans them.
+CORPUS_CASES = [Case(name, family(name), (0.5, 0.3, FLOOR), 20.0, ladder) for name in FAMILIES]
+
+CASE_SETS = {"targets": CASES, "gpt2": GPT2_CASES, "flat": FLAT_CASES, "corpus": CORPUS_CASES}
 
 
 # ---------------------------------------------------------------- settings
@@ -293,7 +319,8 @@ def main(argv=None) -> int:
 
     print(f"{args.cases}, scope {args.scope}, effort {args.effort}"
           + "".join(f", {c}" for c in changed(settings, args.effort)))
-    cols = ["model", "decisions", "budget", "optimize time", "target", "extra compute", "search", "plan"]
+    cols = ["model", "decisions", "budget", "optimize time", "target", "refused", "time limit", "extra compute",
+            "search", "plan"]
     if args.solves:
         cols += ["solves", "flat rounds"]
     print("| " + " | ".join(cols) + " |")
@@ -303,18 +330,25 @@ def main(argv=None) -> int:
         case = Case(*case)
         if only and not any(case.label.startswith(o) for o in only):
             continue
-        program = case.make()
+        try:
+            program = case.make()
+        except ImportError as e:  # a family whose package is not installed (timm, diffusers)
+            cells = [case.label, "-", "-", "-", "-", "-", "-", f"skipped: {e}", "-", "-"]
+            print("| " + " | ".join(cells + (["-", "-"] if args.solves else [])) + " |", flush=True)
+            continue
         decisions = len(Problem.of(program, args.scope).decisions)
         top = search.unoptimized_peak(program, args.scope)
         for frac in budgets or case.budgets:
             budget = None if frac == FLOOR else search.resolve_budget(program, frac, args.scope)
-            times, hashes, r, refused = [], set(), None, None
+            times, hashes, r, refused, limited = [], set(), None, None, False
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
                 try:
                     r = solve(case, program, budget, settings, args.scope)
+                    limited |= r.time_limited
                 except search.Infeasible as e:
                     refused = e
+                    limited |= e.time_limited
                 times.append(time.perf_counter() - t0)
                 if r is not None:
                     hashes.add(digest(r.program))
@@ -325,14 +359,18 @@ def main(argv=None) -> int:
             ok = ok and same
             over = "" if case.target is None or t <= case.target else " (over)"
             target = "-" if case.target is None else f"{case.target:g} s"
+            no = "-"
+            if refused is not None:
+                no = f"below the floor, {human_bytes(refused.floor_bytes)} ({refused.floor_bytes / top:.1%})"
             if r is None:
-                extra, mode, plan = f"infeasible (floor {human_bytes(refused.floor_bytes)})", "-", "-"
+                extra, mode, plan = "-", "-", "-"
             else:
                 extra = f"{r.overhead:.3%}"
                 mode = r.mode + "".join(f", {w}" for w in r.program.header.rewrites)
                 plan = next(iter(hashes)) + ("" if same else f" ({len(hashes)} different plans!)")
             shown = frac if budget is not None else (f"floor ({r.predicted_peak / top:.1%})" if r else "floor")
-            cells = [case.label, str(decisions), str(shown), f"{t:.1f} s{over}", target, extra, mode, plan]
+            cells = [case.label, str(decisions), str(shown), f"{t:.1f} s{over}", target, no,
+                     "stopped" if limited else "-", extra, mode, plan]
             if args.solves:
                 cells += [by_kind(r.solves), lazy_rows(r.solves)] if r else ["-", "-"]
             print("| " + " | ".join(cells) + " |", flush=True)
@@ -349,7 +387,7 @@ def main(argv=None) -> int:
         total += t
         rows += 1
         cells = [f"gpt2-tiny --pareto, {len(points)} points", "-", "whole sweep",
-                 f"{t:.1f} s{'' if t <= 10 else ' (over)'}", "10 s", "-",
+                 f"{t:.1f} s{'' if t <= 10 else ' (over)'}", "10 s", "-", "-", "-",
                  "-" if not other else "without " + ", ".join(other), "-"]
         if args.solves:
             cells += ["-", "-"]

@@ -315,7 +315,8 @@ def _fast_setup_strides(func, args, kwargs, outs):
             ins.append(v)
         elif tensor_arg and v is not None:  # a number: a 0-dim operand
             return None
-    if not ins or any(t.shape != shape for t in ins + outs) or any(t.layout != torch.strided for t in ins):
+    if not ins or not all(_same_sizes(t.shape, shape) for t in ins + outs) \
+            or any(t.layout != torch.strided for t in ins):
         return None
     if all(t.is_contiguous() for t in ins):
         return torch._prims_common.make_contiguous_strides_for(shape)
@@ -323,9 +324,20 @@ def _fast_setup_strides(func, args, kwargs, outs):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
         if all(t.is_contiguous(memory_format=fmt) for t in ins):
             return torch._prims_common.make_channels_last_strides_for(shape)
-    if all(torch._prims_common.is_non_overlapping_and_dense_or_false(t) and t.stride() == ins[0].stride() for t in ins):
+    if all(torch._prims_common.is_non_overlapping_and_dense_or_false(t) and _same_sizes(t.stride(), ins[0].stride())
+           for t in ins):
         return ins[0].stride()
     return None
+
+
+def _same_sizes(a, b) -> bool:
+    """Whether two shapes (or strides) are equal for every size a symbolic
+    trace stands for, adding no guard: ranks first (a tuple comparison of a
+    bias's (d,) with a matmul's (B*T, d) compares B*T with d, and guards on
+    it when they are equal at this call), then each size provably equal."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 # Pointwise ops whose eager kernel allocates with `empty_like` (the input's

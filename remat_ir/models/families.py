@@ -6,7 +6,7 @@ of a training call (ids, masks, labels), so that ``model(**kwargs).loss`` is
 the step's loss.  The tests and ``tools/fidelity.py`` train each through
 ``remat_ir.wrap`` against eager.  Needs ``transformers`` (and ``peft`` for
 ``llama-lora``), which the ``test`` extra installs, and ``timm`` for
-``convnext`` (its tests skip without it).
+``convnext`` and ``diffusers`` for ``unet`` (their tests skip without them).
 """
 from __future__ import annotations
 
@@ -129,6 +129,37 @@ def gemma2(seed: int = 0):
     return model, _padded_lm_call(seed)
 
 
+def phi3(seed: int = 0):
+    """Phi3 with sliding-window attention (window 16 of 32), its fused qkv and
+    gate-up projections, and a padded mask."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Phi3ForCausalLM(Phi3Config(
+        vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2))
+    return model, _padded_lm_call(seed)
+
+
+def mamba(seed: int = 0, layers: int = 4, seq: int = 16):
+    """A state-space LM (Mamba) on transformers' pure-torch path: the
+    selective scan's recurrence is a Python loop over the sequence, and each
+    layer's backward holds (batch, 2 d, seq, state) tensors whole (the
+    discretized A and B, their gradients), which recomputation cannot split:
+    with 2 layers (32 tokens) the floor is 66% of the unoptimized peak and a
+    budget of 0.5 is refused; 4 layers plan at 0.5."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    model = MambaForCausalLM(MambaConfig(
+        vocab_size=_VOCAB, hidden_size=64, state_size=8, num_hidden_layers=layers, expand=2, conv_kernel=4,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    g = torch.Generator().manual_seed(seed)
+    ids = _ids(g, seq)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
 def distilbert(seed: int = 0):
     """An encoder classifier (DistilBERT sequence classification, dropout 0.1) with a padded mask."""
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
@@ -184,6 +215,37 @@ def bart(seed: int = 0):
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2))
     return model, _seq2seq_call(seed)
+
+
+def t5_nomask(seed: int = 0):
+    """The T5 above called without an attention mask (ids and labels only)."""
+    model, call = t5(seed)
+    return model, {"input_ids": call["input_ids"], "labels": call["labels"]}
+
+
+def bart_nomask(seed: int = 0):
+    """The BART above called without an attention mask (ids and labels only)."""
+    model, call = bart(seed)
+    return model, {"input_ids": call["input_ids"], "labels": call["labels"]}
+
+
+def whisper(seed: int = 0):
+    """A speech encoder-decoder (Whisper, dropout 0.1) on 24 mel bins x 64
+    frames, with labels whose second row's last 4 positions are padding
+    (-100), as a speech collator gives them: the model shifts them right
+    into its decoder inputs."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=_VOCAB, num_mel_bins=24, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_source_positions=32, max_target_positions=64, dropout=0.1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None))
+    g = torch.Generator().manual_seed(seed)
+    labels = _ids(g, _SEQ // 2)
+    labels[1, -4:] = -100
+    return model, {"input_features": torch.randn(_BATCH, 24, 64, generator=g), "labels": labels}
 
 
 def vit(seed: int = 0):
@@ -250,6 +312,46 @@ def convnext(seed: int = 0):
                               "labels": torch.randint(0, 10, (_BATCH,), generator=g)}
 
 
+class _NoisePredictor(torch.nn.Module):
+    """A diffusion model's training step as diffusers' training scripts write
+    it: the UNet predicts the noise of a noisy latent at a timestep, given
+    the text encoder's states, and the loss is the mean squared error
+    against the noise; called as transformers models are (`.loss`)."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample, timestep, encoder_hidden_states, target):
+        from transformers.modeling_outputs import ModelOutput
+
+        pred = self.unet(sample, timestep, encoder_hidden_states).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
+        return ModelOutput(loss=loss, sample=pred)
+
+
+def unet(seed: int = 0):
+    """A diffusers UNet2DConditionModel (32 and 64 channels, a cross-attention
+    block down and up, 16 x 16 latents of 4 channels, 8 text states of 32)
+    trained to predict the noise (DDPM's noising of random latents at random
+    timesteps).  Needs `diffusers`."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    net = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(_BATCH, 4, 16, 16, generator=g)
+    noise = torch.randn(latents.shape, generator=g)
+    timesteps = torch.randint(0, 1000, (_BATCH,), generator=g)
+    noisy = DDPMScheduler(num_train_timesteps=1000).add_noise(latents, noise, timesteps)
+    return _NoisePredictor(net), {"sample": noisy, "timestep": timesteps,
+                                  "encoder_hidden_states": torch.randn(_BATCH, 8, 32, generator=g),
+                                  "target": noise}
+
+
 FAMILIES: dict[str, Callable] = {
     "llama": llama,
     "llama-padded": lambda seed=0: llama(seed, padded=True),
@@ -259,11 +361,17 @@ FAMILIES: dict[str, Callable] = {
     "qwen3-moe": qwen3_moe,
     "mistral": mistral,
     "gemma2": gemma2,
+    "phi3": phi3,
+    "mamba": mamba,
     "distilbert": distilbert,
     "modernbert": modernbert,
     "t5": t5,
     "bart": bart,
+    "t5-nomask": t5_nomask,
+    "bart-nomask": bart_nomask,
+    "whisper": whisper,
     "vit": vit,
     "clip": clip,
     "convnext": convnext,
+    "unet": unet,
 }

@@ -84,6 +84,7 @@ class _Ladder:
         self.memo = memo.bind(program, scope, exact, settings)
         self.results: list[OptimizeResult] = []
         self.stages: dict[str, float] = {}
+        self.refused_time_limited = False  # a search that refused its budget was cut short by the time limit
 
     def steps(self) -> list[tuple]:
         """The rewrite lists to try after the graph itself, least change first."""
@@ -145,12 +146,19 @@ class _Ladder:
             if self.log:
                 self.log(why)
             raise Infeasible(why, UNUSABLE, None, self.scope) from e
+        except Infeasible as e:
+            self.refused_time_limited |= e.time_limited
+            raise
         finally:
             label = f"{what} " + ("the graph" if not rung else "the graph by blocks" if rung == OWN_BLOCKS
                                   else describe(list(rung)))
             self.stages[label] = self.stages.get(label, 0.0) + time.perf_counter() - t0
         self.results.append(r)
         return r
+
+    def time_limited(self) -> bool:
+        """Whether the time limit cut any of the searches this call ran short."""
+        return self.refused_time_limited or any(r.time_limited for r in self.results)
 
     def floor_of(self, rung: tuple) -> int:
         if rung not in self.memo.floors:
@@ -186,17 +194,21 @@ def _total(r: OptimizeResult) -> float:
     return r.base_cost + r.extra_cost
 
 
-def _explained(e: Infeasible, specs: tuple) -> Infeasible:
-    if not specs:
+def _explained(e: Infeasible, specs: tuple, time_limited: bool = False) -> Infeasible:
+    """`e` with the rewrites of the rung it refers to, time-limited when any
+    search of the ladder was."""
+    time_limited = e.time_limited or time_limited
+    if not specs and time_limited == e.time_limited:
         return e
-    return Infeasible(f"{e} (with rewrites: {describe(list(specs))})", e.floor_bytes, e.budget_bytes, e.scope)
+    text = f"{e} (with rewrites: {describe(list(specs))})" if specs else str(e)
+    return Infeasible(text, e.floor_bytes, e.budget_bytes, e.scope, time_limited)
 
 
 def _finish(lad: _Ladder, r: OptimizeResult, t0: float, budget: int | None) -> OptimizeResult:
     """`r`, with the solves, seconds and stages of every search the call ran."""
     return replace(r, solves=[s for x in lad.results for s in x.solves], seconds=time.perf_counter() - t0,
                    stages=dict(lad.stages), budget=budget,
-                   time_limited=any(x.time_limited for x in lad.results))
+                   time_limited=lad.time_limited())
 
 
 def floor(program: Program, settings: Settings | None = None, memo: LadderMemo | None = None, *,
@@ -312,11 +324,11 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
             own_floor = lad.floor_of(own)
             raise Infeasible(f"budget is below the floor: the smallest activation peak this graph allows is "
                              f"{human_bytes(own_floor)}, and no graph rewrite could be used ("
-                             + "; ".join(m.unusable.values()) + ")", own_floor, budget, scope)
+                             + "; ".join(m.unusable.values()) + ")", own_floor, budget, scope, lad.time_limited())
         try:
             return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
         except Infeasible as e:
-            raise _explained(e, steps[low]) from None
+            raise _explained(e, steps[low], lad.time_limited()) from None
     best = plan(lo)
     if lo + 1 <= family_end(lo) and fits(lo + 1):
         more = plan(lo + 1)

@@ -247,11 +247,14 @@ class Infeasible(ValueError):
     """The budget is below the smallest peak this optimizer can reach."""
 
     def __init__(self, message: str, floor_bytes: int, budget_bytes: int | None = None,
-                 scope: str = DEFAULT_SCOPE):
+                 scope: str = DEFAULT_SCOPE, time_limited: bool = False):
         super().__init__(message)
         self.floor_bytes = int(floor_bytes)
         self.budget_bytes = budget_bytes
         self.scope = scope
+        # The safety time limit cut a search short: the floor is the best
+        # found, and a longer search may plan the budget.
+        self.time_limited = bool(time_limited)
 
 
 @dataclass

@@ -246,4 +246,4 @@ def _infeasible(run: Run, budget: int, fl: Floor) -> Infeasible:
         how = " (the best the search found; not proven the least)"
     msg = (f"budget {human_bytes(budget)} ({scope}) is below the floor: the smallest {what} this "
            f"graph allows is {human_bytes(f)} (at {where}){how}; asked {human_bytes(budget)}")
-    return Infeasible(msg, f, budget, scope)
+    return Infeasible(msg, f, budget, scope, run.time_limited or fl.time_limited)
