@@ -6,11 +6,13 @@ below its floor.  Then the rungs, least change first:
 
     batchnorm_split                     (when the graph has a training BatchNorm;
                                          eager's bits, so allowed under `exact`)
-    [batchnorm_split,] chunked_loss:K   K = 2, 4, 8, ... (not under `exact`)
-    [batchnorm_split,] chunked_loss:K:late
+    [batchnorm_split,] lm_head_nll:R    the chunked loss, R rows a chunk (a scratch
+                                        of about 1 MiB; eager's bits, so allowed
+                                        under `exact`)
+    [batchnorm_split,] lm_head_nll:R:late
                                         a head weight tied to the embedding:
-                                        its head gradient made at the end of
-                                        backward (more compute, a weight less held)
+                                        its head gradient made again at the end
+                                        of backward (more compute, a weight less held)
     [... the last of those,] chunked_attention:K
                                         K = 2, 4, 8: every softmax attention in K
                                         chunks of its B*H matrices
@@ -42,8 +44,8 @@ from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize import search
 from remat_ir.optimize.problem import Infeasible, Memo, OptimizeResult, Problem, Settings
 from remat_ir.rewrite import (
-    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, chunk_choices,
-    describe, has_batchnorm, late_applies,
+    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, describe,
+    has_batchnorm, late_applies, loss_rows_of,
 )
 
 OWN_BLOCKS = ("(the graph, block by block)",)  # the graph's own floor searched by blocks
@@ -86,10 +88,11 @@ class _Ladder:
         base = (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
         steps = [base] if base else []
         if not self.exact or BIT_EXACT[CHUNKED_LOSS]:
-            ks = chunk_choices(self.program)
-            steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in ks]
-            if ks and late_applies(self.program):
-                steps += [base + (f"{CHUNKED_LOSS}:{k}:late",) for k in ks]
+            rows = loss_rows_of(self.program)
+            if rows is not None:
+                steps.append(base + (f"{CHUNKED_LOSS}:{rows}",))
+                if late_applies(self.program):
+                    steps.append(base + (f"{CHUNKED_LOSS}:{rows}:late",))
         if not self.exact or BIT_EXACT[CHUNKED_ATTENTION]:
             last = steps[-1] if steps else base
             steps += [last + (f"{CHUNKED_ATTENTION}:{k}",) for k in attention_choices(self.program)]
