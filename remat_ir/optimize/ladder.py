@@ -20,8 +20,9 @@ below its floor.  Then the rungs, least change first:
 Whether a rung fits is decided by its floor when the rewritten graph is
 planned block by block (large graphs, where that search takes seconds),
 else by a node-limited search at the budget, then by the floor.  The rungs
-are tried in order until one fits (the fewest chunks that fit; a family,
-plain or late, whose most chunks do not fit is passed over whole), and the
+are tried in order until one fits (the fewest chunks that fit; a family
+whose most chunks do not fit is passed over whole; the chunked loss's two
+families, plain and late, have one rung each), and the
 next count up in that family is planned too: the one with the lower total
 cost (every op of the rewritten step plus its recomputes, in the program's
 cost model) wins, the fewer chunks on a tie.
@@ -183,13 +184,13 @@ def _finish(lad: _Ladder, r: OptimizeResult, t0: float, budget: int | None) -> O
 
 def floor(program: Program, settings: Settings | None = None, memo: LadderMemo | None = None, *,
           scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
-    """The smallest peak the optimizer reaches: the graph's own floor, or the
-    last rung's (the most chunks) when that is lower; the result's plan is
-    that rung's floor plan.  When the last family of rungs (chunked
-    attention, or the late tied gradient) does not lower the floor below the
-    family before it, that one's last rung is used: the same floor with less
-    recompute.  Only those two are compared (each floor search of a
-    rewritten graph takes seconds)."""
+    """The smallest peak the optimizer reaches: the graph's own floor, or
+    the lowest floor of a family's last rung (the most chunks) when that is
+    lower; the result's plan is that rung's floor plan.  A later family
+    (the late tied gradient, chunked attention) is used only when it lowers
+    the floor below the families before it: the same floor with less
+    change and recompute otherwise.  Only each family's last rung is
+    searched (each floor search of a rewritten graph takes seconds)."""
     t0 = time.perf_counter()
     settings = search.settings_of(settings, **given)
     lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log)
@@ -200,7 +201,7 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
         best = (lad.floor_of(own), own)
         ends = [i for i in range(len(steps)) if i + 1 == len(steps) or _family(steps[i + 1]) != _family(steps[i])]
         last = None
-        for i in reversed(ends[-2:]):  # the last family's floor, then the one before it
+        for i in reversed(ends):  # the last family's floor, then those before it
             if steps[i] == (BATCHNORM_SPLIT,) and last is not None:
                 break
             f = lad.floor_of(steps[i])
