@@ -220,9 +220,12 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
 def optimize(program: Program, budget: int, settings: Settings | None = None, memo: LadderMemo | None = None,
              *, scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
     """The cheapest plan for `budget` the ladder finds; raises Infeasible
-    (with the floor of the last rung) when none fits.  The graph itself is
+    (with the lowest floor found) when none fits.  The graph itself is
     probed by a search that stops at its node limits without proving a
-    floor; each rung, by that search and then by its floor."""
+    floor; each rung, by that search and then by its floor; when no rung
+    fits, the graph itself once more, by the flat search to its floor where
+    that search takes the graph (a rung planned block by block may stop
+    above what the flat search reaches)."""
     t0 = time.perf_counter()
     budget = int(budget)
     settings = search.settings_of(settings, **given)
@@ -232,6 +235,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         # `--budget floor`: the floor rung's floor plan (its memo holds it).
         return _finish(lad, lad.optimize(m.floor_rung, budget, prove=True), t0, budget)
     steps = lad.steps()
+    own = None
     try:
         own = lad.own_rung(steps)
         if own == OWN_BLOCKS and lad.floor_of(own) > budget:
@@ -288,9 +292,21 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
             break
         lo = end + 1
     if lo == len(steps):
-        # Nothing fits: refuse with the lowest floor a rung reached (every
-        # family's last was tested; the last rung's need not be the lowest).
+        # No rung fits.  The graph itself, when the flat search takes it, was
+        # probed without its floor (or judged by its floor block by block): a
+        # rung planned block by block can have a higher floor than the flat
+        # search reaches, so the graph's own flat search goes to its floor first.
+        own_error = None
+        if own == () or (own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings)):
+            try:
+                return _finish(lad, lad.optimize((), budget, prove=True), t0, budget)
+            except Infeasible as e:
+                own_error = e
+        # Refuse with the lowest floor a rung reached (every family's last
+        # was tested; the last rung's need not be the lowest), or the graph's.
         low = min((i for i in tested if steps[i] in m.floors), key=lambda i: (m.floors[steps[i]], i))
+        if own_error is not None and 0 < own_error.floor_bytes <= m.floors[steps[low]]:
+            raise own_error
         try:
             return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
         except Infeasible as e:
