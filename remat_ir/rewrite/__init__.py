@@ -85,8 +85,9 @@ def has_batchnorm(program: Program) -> bool:
 
 def loss_rows_of(program: Program) -> int | None:
     """The rows a chunk of the chunked loss takes on `program` (a scratch of
-    about 1 MiB); None when the rewrite does not apply.  One count: the
-    chunks' rows change only the scratch, not what is computed."""
+    about 1 MiB); None when the rewrite does not apply or its rows make one
+    chunk.  One count: the chunks' rows change only the scratch, not what
+    is computed."""
     return rows_of(program)
 
 

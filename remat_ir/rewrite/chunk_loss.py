@@ -51,7 +51,7 @@ import msgspec
 from remat_ir.ir import (
     BACKWARD, FORWARD, GRAD, PARAM, RESULT, DType, Node, Program, Ref, Seq, contiguous_stride, node_inputs,
 )
-from remat_ir.ir.ops import MIN_LOSS_ROWS, loss_rows
+from remat_ir.ir.ops import MIN_LOSS_ROWS, loss_rows, loss_spans
 
 NAME = "lm_head_nll"
 
@@ -225,13 +225,16 @@ def region(program: Program) -> Region:
 
 def rows_of(program: Program) -> int | None:
     """The rows a chunk of this rewrite takes on `program` (about a 1 MiB
-    scratch: `remat_ir.ir.ops.loss_rows`); None when it does not apply."""
+    scratch: `remat_ir.ir.ops.loss_rows`); None when it does not apply, or
+    when the loss's rows make one chunk (a scratch the logits' size saves
+    nothing: a classifier's few rows)."""
     try:
         r = region(program)
     except NotApplicable:
         return None
     itemsize = 2 if "16" in r.dtype else 8 if "64" in r.dtype else 4
-    return loss_rows(r.rows, r.vocab, itemsize)
+    rows = loss_rows(r.rows, r.vocab, itemsize)
+    return rows if len(loss_spans(r.rows, rows)) >= 2 else None
 
 
 def chunk_loss(program: Program, rows: int, late: bool = False) -> Program:
