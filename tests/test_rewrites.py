@@ -260,7 +260,8 @@ def test_a_plan_of_the_earlier_chunked_loss_is_refused_at_load_in_one_line(tiny,
     from remat_ir.ir.parser import RirSyntaxError
 
     _, _, program = tiny
-    text = format_program(apply(program, ["lm_head_nll:16"])).replace("rewrites lm_head_nll:16", "rewrites chunked_loss:4")
+    text = format_program(apply(program, ["lm_head_nll:16"]))
+    text = text.replace("rewrites lm_head_nll:16", "rewrites chunked_loss:4")
     with pytest.raises(RirSyntaxError, match="compile the plan again"):
         parse_program(text)
     f = tmp_path / "old.rir"

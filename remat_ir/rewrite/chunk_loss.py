@@ -298,7 +298,7 @@ def chunk_loss(program: Program, rows: int, late: bool = False) -> Program:
                 tail.append(node)
             head_grad = copied[head_grad]
             maker = program.producer_map()[other]
-            swapped[maker.name] = tail + [maker]
+            swapped[maker.name] = tail + [_renamed(maker, rename)]
             # The old chain goes where nothing else reads it (its views, below).
             read_elsewhere = {i for m in program.nodes if m.name not in gone and m is not add
                               and m.name not in {c.name for c in chain} for i in node_inputs(m)}
