@@ -260,9 +260,10 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
     """The plan for `program` (as `trace` returns it) whose predicted peak in
     `scope` fits `budget`, verified; without a budget, `program` itself,
     verified.  When recomputation alone cannot fit the budget, the optimizer
-    rewrites the graph (`remat_ir.rewrite`: a BatchNorm split, the LM head
-    and loss in chunks) and the plan's header lists the rewrites; `exact`
-    allows only those that keep eager's bits.  `time_limit` is a safety
+    rewrites the graph (`remat_ir.rewrite`: a BatchNorm split, the loss in
+    row chunks, attention in chunks) and the plan's header lists the
+    rewrites; `exact` allows only those that keep eager's bits (all but
+    chunked attention).  `time_limit` is a safety
     stop: when it cuts the search short, the plan's header says so.  To plan
     several budgets of one program, pass the same `memo`
     (`remat_ir.optimize.ladder.LadderMemo()`): the work done for one budget

@@ -25,9 +25,10 @@ the plan (a plan that would still recompute one is refused with a message).
 
 The joint graph is rewritten where that keeps eager's bits (CPU): the
 loss's backward and backward's sums are written in place, and below what
-recomputation alone reaches the loss runs in row chunks
-(`remat_ir.trace.device.fuse_lm_head_loss`); on CPU inductor is given the
-loss's ops undecomposed so that the same rewrites apply there.
+recomputation alone reaches the plan chunks the loss (`lm_head_nll`, the
+graph rewrite `wrap` uses, `remat_ir.rewrite`), which the joint graph then
+follows (`remat_ir.trace.joint.follow_rewrites`); on CPU inductor is given
+the loss's ops undecomposed so that the same rewrites apply there.
 """
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ import torch.fx as fx
 
 from remat_ir.ir import RECOMPUTE, TANGENT, Program, node_inputs
 from remat_ir.ir.types import DEFAULT_SCOPE, SCOPES
-from remat_ir.trace.device import fuse_cross_entropy_backward, fuse_lm_head_loss
-from remat_ir.trace.joint import accumulate_in_place, joint_program, primals_of
+from remat_ir.trace.device import fuse_cross_entropy_backward
+from remat_ir.trace.joint import accumulate_in_place, follow_rewrites, joint_program, primals_of
+
+# The graph rewrites this backend runs: the joint graph follows them (the
+# ladder under `exact` may pick no other that the backend has met).
+RUNS = ("lm_head_nll",)
 
 INNERS = ("aot_eager", "inductor")
 
@@ -122,12 +127,11 @@ class Backend:
     def plan(self, joint: fx.GraphModule, primals, num_fwd_outputs: int) -> Program:
         """The verified plan of one region's joint graph (marks the graph's
         nodes with their program names).  Where recomputation alone cannot
-        fit the budget, the loss is chunked (`fuse_lm_head_loss`, the same
-        bits) and the rewritten graph planned at the same bytes."""
+        fit the budget, the plan chunks the loss (the graph rewrite
+        `lm_head_nll`, the same bits) and the joint graph is rewritten to
+        follow it."""
         from remat_ir.ir.budgets import is_floor
         from remat_ir.ir.files import load_cached
-        from remat_ir.optimize.search import Infeasible
-        from remat_ir.pipeline import fit
 
         region = len(self.plans)
         name = f"{self.model_name or 'torch.compile'} region {region}"
@@ -138,59 +142,38 @@ class Backend:
         # A tensor used twice (a tied LM head) sums its gradients in
         # place, as eager autograd does: the same bits, one tensor fewer.
         accumulate_in_place(joint)
-
-        def read() -> Program:
-            program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
-            if self.inner != "aot_eager":
-                _price_out_draws(program, joint)
-            return program
-
-        program = read()
-        chunked = None
-
-        def chunk_loss() -> bool:
-            nonlocal program, chunked
-            chunked = fuse_lm_head_loss(joint)
-            if chunked is not None:
-                program = read()
-            return chunked is not None
+        program = joint_program(joint, primals, num_fwd_outputs, model_name=name)
+        if self.inner != "aot_eager":
+            _price_out_draws(program, joint)
 
         path = self.cache_path(program) if self.cache else None
         cached = load_cached(path) if path is not None else None
         if cached is not None:
-            # The bytes the budget resolves to on the region's own graph, as planning resolves them.
-            own = program
-            # The key is the region's own graph; a plan of its chunked loss names the chunked ops.
-            if any(n.op == "remat.lm_head_nll.default" for n in cached.nodes):
-                chunk_loss()
-            plan = _usable_cached(path, cached, program, self._asked(own))
+            # The key is the region's own graph; a plan that rewrites it is of the rewritten graph.
+            plan = _usable_cached(path, cached, program, self._asked(program))
             if plan is not None:
                 self.cached.append(str(path))
-                return self._keep(plan, region)
-        if is_floor(self.budget):
-            chunk_loss()  # the least any plan of this region reaches: with the loss chunked
-            plan = self._fit(program, self.budget, name)
-        else:
-            try:
-                # exact: no graph rewrite that would change eager's bits; the joint graph runs as it is.
-                plan = fit(program, self.budget, scope=self.scope, exact=True)
-            except Infeasible as e:
-                if not chunk_loss():
-                    raise self._below_floor(name, e) from e
-                # The bytes the budget resolved to on the region's own graph: a
-                # fraction stays a fraction of its peak, not of the chunked graph's.
-                plan = self._fit(program, e.budget_bytes, name)
+                return self._keep(self._follow(joint, program, plan, name), region)
+        # A fraction is of the region's own graph, with its loss chunked or not;
+        # "floor": the least any plan of this region reaches.
+        plan = self._fit(program, self.budget, name)
         self.solves += 1
-        if plan.header.rewrites:
-            raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
-                               f"the plan would rewrite the graph ({', '.join(plan.header.rewrites)}), which "
-                               "this backend does not run")
-        if chunked is not None:
-            plan.header.comment.append(chunked)
+        self._follow(joint, program, plan, name)
         plan.header.comment.append(f"torch.compile backend, inner compiler {self.inner}")
         if path is not None:
             _store(path, plan)
         return self._keep(plan, region)
+
+    def _follow(self, joint: fx.GraphModule, program: Program, plan: Program, name: str) -> Program:
+        """`plan`, the joint graph (read as `program`) rewritten to follow its rewrites."""
+        other = [r for r in plan.header.rewrites if r.partition(":")[0] not in RUNS]
+        if other:
+            raise BackendError(f"{name}: budget {self.budget!r} is below what recomputation alone reaches; "
+                               f"the plan would rewrite the graph ({', '.join(other)}), which this backend "
+                               "does not run")
+        if plan.header.rewrites:
+            follow_rewrites(joint, program, plan)
+        return plan
 
     def _asked(self, program: Program) -> tuple[str, int | None] | None:
         """What this backend asks of `program`'s plan: None (no budget), else
@@ -208,6 +191,7 @@ class Backend:
         from remat_ir.pipeline import fit
 
         try:
+            # exact: graph rewrites that keep eager's bits only.
             return fit(program, budget, scope=self.scope, exact=True)
         except Infeasible as e:
             raise self._below_floor(name, e) from e
@@ -303,6 +287,14 @@ def _usable_cached(path, plan: Program, program: Program, asked) -> Program | No
     from remat_ir.check.verify import verify
 
     def why() -> str | None:
+        nonlocal program
+        if plan.header.rewrites:
+            from remat_ir.rewrite import NotApplicable, apply
+
+            try:
+                program = apply(program, plan.header.rewrites)  # (what the plan schedules)
+            except NotApplicable as e:
+                return f"its rewrites do not apply to this graph: {e}"
         if plan.header.fingerprint != program.header.fingerprint:
             return "made for another graph"
         if [n.flops for n in plan.nodes] != [n.flops for n in program.nodes]:

@@ -220,7 +220,7 @@ def test_verdict_and_plan_do_not_depend_on_the_callers_autocast():
 
 
 def test_model_check_of_a_rewritten_plan_does_not_depend_on_the_callers_autocast():
-    """The model check applies the plan's rewrites (a chunked LM head) to a
+    """The model check applies the plan's rewrites (the chunked loss) to a
     fresh trace, on fake tensors: inside the caller's autocast their matmuls
     would be cast to bfloat16, and a sound plan refused as made for another
     model."""
@@ -229,7 +229,7 @@ def test_model_check_of_a_rewritten_plan_does_not_depend_on_the_callers_autocast
     from remat_ir.rewrite import apply
 
     m = load_model("gpt2-tiny")
-    plan = apply(trace(m.module, m.inputs, loss=m.loss, name="gpt2-tiny"), ["chunked_loss:2"])
+    plan = apply(trace(m.module, m.inputs, loss=m.loss, name="gpt2-tiny"), ["lm_head_nll:16"])
     assert plan.header.rewrites and verify(plan).ok
     remat_ir.wrap(copy.deepcopy(m.module), plan, loss=m.loss)  # the model check, outside autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -56,8 +56,8 @@ def test_rows(result):
         if r["status"] != "ok":
             assert r["status"].startswith("n/a"), r  # the optimizer may be unavailable, never a crash
             continue
-        if "chunked_" in r["extra"]:  # the floor's rewrites sum in another order: within tolerance
-            assert r["grads"].startswith("within tolerance"), r
+        if "chunked_attention" in r["extra"]:  # (a matmul over fewer matrices: eager's bits not promised)
+            assert r["grads"] == "bitwise" or r["grads"].startswith("within tolerance"), r
         else:
             assert r["grads"] == "bitwise", r
         assert matches(r["predicted_act"], r["act_peak"]), r

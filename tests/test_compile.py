@@ -6,10 +6,9 @@ optimizer) runs outside dynamo, and the plan runs as it runs without
 torch.compile.  So gpt2-tiny wrapped with a budget and compiled (aot_eager,
 inductor) trains bitwise as the same wrapper uncompiled (SGD, dropout on),
 and no graph of the training step reaches the backend.  Against eager
-PyTorch the gradients are within remat-run's tolerance: at 0.6 this step's
-plan has the `chunked_loss:2` rewrite, whose per-chunk `g_i.T @ x_i` sums the
-tied embedding's gradient in another order (2e-8 apart); every other gradient
-is eager's bits.  A plan wrap under torch.compile trains the same way, and
+PyTorch too the gradients are bitwise: at 0.7 this step's plan has the
+chunked loss (`lm_head_nll:16`, eager's bits), below what recomputation
+alone reaches.  A plan wrap under torch.compile trains the same way, and
 eval calls, which run the model eagerly, are compiled by dynamo as usual.
 """
 from __future__ import annotations
@@ -30,13 +29,12 @@ def cache(tmp_path_factory):
 
 
 def _model():
-    # batch 1 x 32: the smallest gpt2-tiny step whose 0.6 budget is feasible.
+    # batch 1 x 32: its 0.7 budget is below what recomputation alone reaches.
     return build_builtin("gpt2-tiny", batch=1, seq=32, seed=0)
 
 
 def _train(model, params, batches, seed: int = 0):
-    """SGD steps; the gradients of each step, as lists.  (SGD, not Adam: Adam's
-    normalized update would magnify the rewrite's 2e-8 into a parameter difference.)"""
+    """SGD steps; the gradients of each step, as lists."""
     opt = torch.optim.SGD(params, lr=0.1)
     grads = []
     for i, (idx, targets) in enumerate(batches):
@@ -54,13 +52,6 @@ def _batches():
 
 def _same(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _close(eager, other) -> bool:
-    """remat-run's tolerance: max|other - eager| <= GRAD_RTOL * max|eager|, each tensor."""
-    from remat_ir.runtime.run import GRAD_RTOL
-
-    return all((x - y).abs().max() <= GRAD_RTOL * x.abs().max() for x, y in zip(eager, other))
 
 
 def _counting(backend: str):
@@ -82,21 +73,22 @@ def test_compiled_budget_wrap_trains_bitwise_as_uncompiled(backend, cache, monke
     monkeypatch.setenv("REMAT_IR_CACHE", str(cache))
     torch._dynamo.reset()
     (eager, _), (plain, _), (module, _) = _model(), _model(), _model()
-    wrapped = remat_ir.wrap(module, budget=0.6)
+    wrapped = remat_ir.wrap(module, budget=0.7)
     counting, graphs = _counting(backend)
     compiled = torch.compile(wrapped, backend=counting)
     batches = _batches()
     g_eager = _train(eager, list(eager.parameters()), batches)
-    g_plain = _train(remat_ir.wrap(plain, budget=0.6), list(plain.parameters()), batches)
+    g_plain = _train(remat_ir.wrap(plain, budget=0.7), list(plain.parameters()), batches)
     g_comp = _train(compiled, list(module.parameters()), batches)
     assert len(remat_ir.planner(wrapped).plans) == 1
     plan = next(iter(remat_ir.planner(wrapped).plans.values())).program
     assert plan.header.budget is not None and any(i.kind == "recompute" for i in plan.backward)
+    assert plan.header.rewrites == ["lm_head_nll:16"]
     for step, (a, b, c) in enumerate(zip(g_plain, g_comp, g_eager)):
         assert _same(a, b), f"gradients differ from the uncompiled wrapper's at step {step}"
-        assert _close(c, b), f"gradients beyond tolerance of eager's at step {step}"
+        assert _same(c, b), f"gradients differ from eager's at step {step}"
     assert _same(list(plain.parameters()), list(module.parameters()))
-    assert _close(list(eager.parameters()), list(module.parameters()))
+    assert _same(list(eager.parameters()), list(module.parameters()))
     assert graphs == []  # the training steps were opaque: nothing of them reached the backend
     torch._dynamo.reset()
 
@@ -105,7 +97,7 @@ def test_compiled_plan_wrap_trains_as_uncompiled_and_eval_calls_are_compiled(cac
     monkeypatch.setenv("REMAT_IR_CACHE", str(cache))
     torch._dynamo.reset()
     (plain, (idx, targets)), (module, _) = _model(), _model()
-    auto = remat_ir.wrap(plain, budget=0.6)
+    auto = remat_ir.wrap(plain, budget=0.7)
     batches = [(idx, targets)] * 2
     g_plain = _train(auto, list(plain.parameters()), batches)
     plan = next(iter(remat_ir.planner(auto).plans.values())).program

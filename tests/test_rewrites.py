@@ -1,9 +1,10 @@
-"""Graph rewrites below the recompute floor: the chunked LM head and loss,
-the BatchNorm split.  Each rewritten plan verifies, runs on the model it was
-made for (the runtime replays the rewrites on a fresh trace), gives
-gradients within tolerance (chunks: float sums in another order) or bitwise
-(BatchNorm split), and the verifier's own check of a rewrite rejects a
-region that no longer computes what it stood for."""
+"""Graph rewrites below the recompute floor: the chunked loss, chunked
+attention, the BatchNorm split.  Each rewritten plan verifies, runs on the
+model it was made for (the runtime replays the rewrites on a fresh trace),
+gives gradients bitwise (the chunked loss, the BatchNorm split) or within
+tolerance (chunked attention), and the verifier's own check of a rewrite
+rejects a region that no longer computes what it stood for.  The chunked
+loss is also the torch.compile backend's: its tests here run it both ways."""
 from __future__ import annotations
 
 import msgspec
@@ -21,7 +22,7 @@ from remat_ir.models import build_builtin
 from remat_ir.pipeline import fit
 from remat_ir.optimize.search import Infeasible, floor, unoptimized_peak
 from remat_ir.rewrite import NotApplicable, apply, region
-from remat_ir.runtime.load import load_model
+from remat_ir.runtime.load import LoadedModel, load_model
 from remat_ir.runtime.run import GRAD_RTOL, relative_difference, run_plan
 
 SCOPE = "activations"
@@ -53,24 +54,82 @@ def tiny():
     return module, inputs, remat_ir.compile(module, inputs)
 
 
-@pytest.mark.parametrize("spec", ["chunked_loss:4", "chunked_loss:4:late"])
-def test_chunked_loss_verifies_round_trips_and_trains_within_tolerance(tiny, spec):
-    _, inputs, program = tiny
-    plan = apply(program, [spec])
-    assert plan.header.rewrites == [spec]
-    assert verify(plan).ok, verify(plan)
+# ------------------------------------------------------------- the chunked loss
+
+
+def _lm(head: str):
+    """(model, (idx, targets)): a GPT of 2 layers, d=128, sequences of 64
+    (batch 4) over a 2048-token vocabulary, so that the loss sets the floor
+    (its logits' gradient, [256, 2048], is twice the head's weight);
+    its LM head tied to the embedding (the GPT's own, `mm`) or untied with
+    a bias (`addmm`); a quarter of the targets are the loss's ignore_index
+    (-1); reduction mean.  The same weights and batch at every call."""
+    from remat_ir.models import GPT, GPTConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=2048, block_size=64)).train()
+        if head == "untied":
+            model.lm_head = torch.nn.Linear(128, 2048, bias=True)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 2048, (4, 64), generator=g)
+    targets = torch.randint(0, 2048, (4, 64), generator=g)
+    targets[:, ::4] = -1
+    return model, (idx, targets)
+
+
+def _floor_plan(program):
+    """The floor plan under `exact`, and the graph's own floor (recomputation alone)."""
+    from remat_ir.optimize.ladder import LadderMemo
+
+    memo = LadderMemo()
+    plan = fit(program, "floor", scope=SCOPE, exact=True, memo=memo)
+    own = min(f for rung, f in memo.floors.items() if not any(s.startswith("lm_head_nll") for s in rung))
+    return plan, own
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+@pytest.mark.parametrize("path", ["wrap", "backend"])
+def test_chunked_loss_gives_eager_bits_below_the_recompute_floor(path, head, tmp_path, monkeypatch):
+    """The chunked loss (`lm_head_nll:R`) is the floor plan under `exact`,
+    below what recomputation alone reaches; run by `wrap` (remat-run's
+    check: each step's loss, gradients and buffers against eager's) and by
+    the torch.compile backend (the joint graph follows the plan), every step
+    is eager's bits and the measured peak the predicted one."""
+    model, inputs = _lm(head)
+    if path == "backend":
+        from sides import check_memory, train_side_by_side
+
+        monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+        torch._dynamo.reset()
+        be = remat_ir.backend(budget="floor", inner="aot_eager")
+        compiled = train_side_by_side(model, inputs, be, steps=2)
+        (plan,) = be.plans
+        assert plan.header.rewrites == ["lm_head_nll:16"] and verify(plan).ok
+        check_memory(model, compiled, inputs, plan)
+        torch._dynamo.reset()
+        return
+    program = remat_ir.compile(model, inputs)
+    plan, own = _floor_plan(program)
+    (spec,) = plan.header.rewrites
+    assert spec.startswith("lm_head_nll:16")
+    assert spec.endswith(":late") == (head == "tied")  # the tied head's weight gradient is not held through backward
+    v = verify(plan)
+    assert v.ok, v.errors
+    assert v.report.activation_peak_bytes < own
     text = format_program(plan)
-    assert f"rewrites {spec}\n" in text
-    assert format_program(parse_program(text)) == text
-    assert sum(n.op == "aten.nll_loss_forward.default" for n in plan.nodes) == 4
-    # late: no head weight gradient of its own; four in-place sums into the embedding's
-    assert sum(n.op == "aten.addmm_.default" for n in plan.nodes) == (4 if spec.endswith("late") else 3)
-    eager = _grads(build_builtin("gpt2-tiny")[0], inputs, steps=2)
-    chunked = _grads(build_builtin("gpt2-tiny")[0], inputs, plan, steps=2)  # the model is checked: replayed
-    worst = max(relative_difference(a, b) for (_, ga, _), (_, gb, _) in zip(chunked, eager)
-                for a, b in zip(ga, gb))
-    assert 0 < worst < GRAD_RTOL  # not eager's bits, within the documented tolerance
-    assert all(relative_difference(a[0], b[0]) < GRAD_RTOL for a, b in zip(chunked, eager))
+    assert f"rewrites {spec}\n" in text and format_program(parse_program(text)) == text
+    ops = {n.op for n in plan.nodes}
+    assert not ops & {"aten._log_softmax.default", "aten.nll_loss_forward.default",
+                      "remat.nll_log_softmax_backward.default"}
+    r = run_plan(plan, LoadedModel(name=head, module=_lm(head)[0], inputs=inputs, loss=None), steps=3,
+                 check=True)  # the model checked: the rewrite replayed on a fresh trace
+    assert r.loss_bitwise and r.grads_bitwise, r.checks
+    # (At most 4 bytes above, in a mean's loss backward: `nll_loss_backward`'s
+    # own 0-dim temporary, grad_output / total_weight, a kernel's temporary
+    # no plan counts; the graph without the rewrite measures the same.)
+    assert 0 <= r.measured_first_peak - r.predicted_first.peak_bytes <= 4
+    assert 0 <= r.measured_peak - r.predicted.peak_bytes <= 4
 
 
 def _wide_head():
@@ -89,17 +148,15 @@ def test_the_plan_of_a_chunked_loss_fits_where_recomputation_alone_cannot():
     module, inputs = _wide_head()
     program = remat_ir.compile(module, inputs)
     f0 = floor(program, scope=SCOPE).predicted_peak
-    with pytest.raises(Infeasible):
-        fit(program, f0 - 1, scope=SCOPE, exact=True)  # exact: no chunks
-    plan = fit(program, f0 - 1, scope=SCOPE)
-    assert plan.header.rewrites and plan.header.rewrites[0].startswith("chunked_loss:")
-    assert any("graph rewrites" in c for c in plan.header.comment)
+    plan = fit(program, f0 - 1, scope=SCOPE, exact=True)  # eager's bits: allowed under exact
+    assert plan.header.rewrites and plan.header.rewrites[0].startswith("lm_head_nll:")
+    assert any("graph rewrites" in c and "remat.lm_head_nll" in c for c in plan.header.comment)
     v = verify(plan)
     assert v.ok and v.report.activation_peak_bytes <= f0 - 1
     from remat_ir.runtime.load import LoadedModel
 
     r = run_plan(plan, LoadedModel(name="wide", module=_wide_head()[0], inputs=inputs, loss=None), steps=2, check=True)
-    assert r.within_tolerance() and r.grads_match and not r.grads_bitwise
+    assert r.grads_bitwise and r.loss_bitwise
 
 
 def test_a_budget_below_every_rung_is_refused_with_the_lowest_floor():
@@ -120,46 +177,55 @@ def test_a_budget_the_graph_fits_gets_no_rewrite(tiny):
 
 
 @pytest.mark.parametrize("mutation, message", [
-    ("drop a chunk from the sum", "no sum of the chunk losses"),
-    ("overlap", "must cover rows"),
-    ("count", "not 3 chunks"),
+    ("backward reads other targets", "must read what its forward"),
+    ("backward reads another total weight", "must read what its forward"),
+    ("backward sums", "must read what its forward"),
+    ("other rows", "must take 32 rows a chunk"),
+    ("too few rows", "at least 16 rows"),
+    ("working memory read", "nothing may read it"),
     ("unknown", "unknown rewrite"),
-    ("other weight", "the weight gradient must"),
-    ("late, other rows", "must be made again in backward exactly once"),
-    ("late, other targets", "must be made again in backward exactly once"),
-    ("late, a chunk twice", "every chunk's contribution exactly once"),
+    ("retired", "the earlier chunked loss"),
+    ("late, made again otherwise", "made by the same op on the same operands"),
+    ("late, from the loss's own gradient", "none with the loss's own"),
     ("late, not the gradient", "must be the gradient output"),
-    ("late, not late", "every chunk's contribution exactly once"),
+    ("late, not late", "not 1"),
+    ("not late, late", "not 2"),
 ])
-def test_the_verifier_rejects_a_chunked_region_that_is_not_the_loss(tiny, mutation, message):
+def test_the_verifier_rejects_a_chunked_loss_that_is_not_the_loss(tiny, mutation, message):
     _, _, program = tiny
-    plan = _copy(apply(program, ["chunked_loss:4:late" if mutation.startswith("late") else "chunked_loss:4"]))
+    late = mutation.startswith("late")
+    plan = _copy(apply(program, ["lm_head_nll:16:late" if late else "lm_head_nll:16"]))
     nodes = plan.node_map()
-    if mutation == "drop a chunk from the sum":
-        n = nodes["lm_head.loss_sum_1"]
-        n.args = [n.args[0], Ref("lm_head.chunk1.nll:0")]  # chunk 2 never counted, chunk 1 twice
-    elif mutation == "overlap":
-        for name in ("lm_head.chunk1.x", "lm_head.chunk1.target"):
-            nodes[name].args = nodes[name].args[:2] + [31, 64]
-    elif mutation == "count":
-        plan.header.rewrites = ["chunked_loss:3"]
+    fwd, bwd = nodes["lm_head.lm_head_nll"], nodes["d.lm_head.lm_head_nll_backward"]
+    if mutation == "backward reads other targets":
+        bwd.args = bwd.args[:4] + [Ref("idx")] + bwd.args[5:]
+    elif mutation == "backward reads another total weight":
+        bwd.args = bwd.args[:7] + [Ref(fwd.outputs[0])] + bwd.args[8:]
+    elif mutation == "backward sums":
+        bwd.args = bwd.args[:5] + [2] + bwd.args[6:]  # forward takes the mean
+    elif mutation == "other rows":
+        plan.header.rewrites = ["lm_head_nll:32"]
+    elif mutation == "too few rows":
+        plan.header.rewrites = ["lm_head_nll:8"]
+    elif mutation == "working memory read":
+        n = nodes["d.lm_head.mm_1"]
+        n.args = [Ref(bwd.outputs[1])] + n.args[1:]
     elif mutation == "unknown":
         plan.header.rewrites = ["fuse_everything"]
-    elif mutation == "late, other rows":
-        nodes["lm_head.late2.logits"].args = [Ref("lm_head.chunk1.x"), nodes["lm_head.late2.logits"].args[1]]
-    elif mutation == "late, other targets":
-        n = nodes["d.lm_head.late1.logits"]
-        n.args = [n.args[0], n.args[1], Ref("lm_head.chunk0.target")] + n.args[3:]
-    elif mutation == "late, a chunk twice":
-        n = nodes["d.lm_head.weight_acc_1"]
-        n.args = [n.args[0], Ref("d.lm_head.late0.logits_t"), Ref("lm_head.chunk0.x")]
+    elif mutation == "retired":
+        plan.header.rewrites = ["chunked_loss:4"]
+    elif mutation == "late, made again otherwise":
+        again = nodes["d.lm_head.late.lm_head_nll_backward"]
+        again.args = again.args[:8] + [-1] + again.args[9:]  # the same op over dim -1: not the same call
+    elif mutation == "late, from the loss's own gradient":
+        n = nodes["d.lm_head.mm.late"]
+        n.args = [Ref("d.lm_head.view")] + n.args[1:]
     elif mutation == "late, not the gradient":
         plan.outputs = [o for o in plan.outputs if o.value != "d.lm_head.add"]
     elif mutation == "late, not late":
-        plan.header.rewrites = ["chunked_loss:4"]
+        plan.header.rewrites = ["lm_head_nll:16"]
     else:
-        n = nodes["d.lm_head.weight_acc"]
-        n.args = [n.args[0], n.args[1], Ref("lm_head.chunk0.x")]  # chunk 1's gradient times chunk 0's rows
+        plan.header.rewrites = ["lm_head_nll:16:late"]
     _assert_rejected(plan, message)
 
 
@@ -175,13 +241,34 @@ def test_an_unknown_or_inapplicable_rewrite_is_refused_by_name():
     module, inputs = build_builtin("mlp")
     program = remat_ir.compile(module, inputs)
     with pytest.raises(NotApplicable, match="unknown rewrite"):
-        apply(program, ["chunked_loss"])
-    with pytest.raises(NotApplicable, match="chunks must be between"):
-        apply(program, ["chunked_loss:64"])
+        apply(program, ["lm_head_nll"])
     with pytest.raises(NotApplicable, match="unknown rewrite"):
-        apply(program, ["chunked_loss:4:soon"])
+        apply(program, ["lm_head_nll:16:soon"])
+    with pytest.raises(NotApplicable, match="at least 16 rows"):
+        apply(program, ["lm_head_nll:8"])
     with pytest.raises(NotApplicable, match="not tied"):  # the mlp's head has a weight of its own
-        apply(program, ["chunked_loss:4:late"])
+        apply(program, ["lm_head_nll:16:late"])
+    with pytest.raises(NotApplicable, match="the earlier chunked loss"):
+        apply(program, ["chunked_loss:4"])
+
+
+def test_a_plan_of_the_earlier_chunked_loss_is_refused_at_load_in_one_line(tiny, tmp_path, capsys):
+    """`chunked_loss:K` (the earlier chunked loss, not eager's bits) is no
+    longer run: a plan naming it is refused when it is read, saying to
+    compile it again."""
+    from remat_ir.cli.commands import verify_main
+    from remat_ir.ir.parser import RirSyntaxError
+
+    _, _, program = tiny
+    text = format_program(apply(program, ["lm_head_nll:16"]))
+    text = text.replace("rewrites lm_head_nll:16", "rewrites chunked_loss:4")
+    with pytest.raises(RirSyntaxError, match="compile the plan again"):
+        parse_program(text)
+    f = tmp_path / "old.rir"
+    f.write_text(text)
+    assert verify_main([str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rewrite chunked_loss:4: the earlier chunked loss" in err[0], err
 
 
 # ------------------------------------------------------------------ attention
@@ -191,8 +278,8 @@ def test_chunked_attention_verifies_round_trips_and_runs_as_predicted(tiny):
     from remat_ir.runtime.load import LoadedModel
 
     _, inputs, program = tiny
-    plan = apply(program, ["chunked_loss:4:late", "chunked_attention:2"])
-    assert plan.header.rewrites == ["chunked_loss:4:late", "chunked_attention:2"]
+    plan = apply(program, ["lm_head_nll:16:late", "chunked_attention:2"])
+    assert plan.header.rewrites == ["lm_head_nll:16:late", "chunked_attention:2"]
     assert verify(plan).ok, verify(plan)
     text = format_program(plan)
     assert format_program(parse_program(text)) == text
@@ -325,13 +412,14 @@ def _hf(kind):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
-def test_transformers_heads_are_chunked_with_their_logits_kept(kind):
+def test_transformers_heads_keep_their_logits_and_eagers_bits(kind):
+    """The caller receives the logits: the chunked loss reads them (the
+    head's matmul stays whole), with the models' ignore_index (-100)."""
     model, kwargs = _hf(kind)
     program = remat_ir.compile(model, (), kwargs)
     r = region(program)
-    assert r.kept  # the caller receives the logits: the chunks slice them
-    assert (r.bias is not None) == (kind == "bert") and r.ignore_index == -100
-    plan = apply(program, ["chunked_loss:4"])
+    assert r.weight_t is None and r.ignore_index == -100  # the logits, not the head's input
+    plan = apply(program, ["lm_head_nll:16"])
     assert verify(plan).ok, verify(plan)
     grads = []
     for m in (model, remat_ir.wrap(model, plan)):
@@ -340,14 +428,14 @@ def test_transformers_heads_are_chunked_with_their_logits_kept(kind):
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
         model.zero_grad()
     assert len(grads[0]) == len(grads[1])
-    assert max(relative_difference(a, b) for a, b in zip(grads[1], grads[0])) < GRAD_RTOL
+    assert all(torch.equal(a, b) for a, b in zip(grads[1], grads[0]))
 
 
 @pytest.mark.parametrize("late", [True, False])
 def test_a_tied_gradient_summed_in_place_is_taken_by_autograd_as_predicted(late):
-    # The chunked head adds its weight gradient into the embedding's in place
-    # (late: each chunk's share, at the end of backward): the sum is the
-    # embedding gradient's own tensor.  On the first step (no `.grad`)
+    # The chunked loss adds the head's weight gradient into the embedding's
+    # in place (late: made again just before the embedding's): the sum is
+    # the embedding gradient's own tensor.  On the first step (no `.grad`)
     # autograd must take that storage, not clone it, or the measured peak
     # exceeds the prediction by a weight.  Here the sum is the step's peak: a
     # one-block GPT with a wide vocabulary, at its floor.
@@ -355,15 +443,9 @@ def test_a_tied_gradient_summed_in_place_is_taken_by_autograd_as_predicted(late)
 
     module, inputs = _wide_head()
     program = remat_ir.compile(module, inputs)
-    lowest = fit(program, "floor", scope=SCOPE)
-    (spec,) = lowest.header.rewrites  # chunked attention, last on the ladder, lowers this floor no further
-    assert spec.startswith("chunked_loss:") and spec.endswith(":late")  # the lowest floor's
+    spec = f"lm_head_nll:16{':late' if late else ''}"
     plan = fit(apply(program, [spec]), "floor", scope=SCOPE)
-    if not late:
-        plain = fit(apply(program, [spec.removesuffix(":late")]), "floor", scope=SCOPE)
-        assert verify(plan).report.activation_peak_bytes < verify(plain).report.activation_peak_bytes
-        plan = plain
-        assert any(n.op == "aten.add_.Tensor" and n.phase == "backward" for n in plan.nodes)
+    assert any(n.op == "aten.add_.Tensor" and n.phase == "backward" for n in plan.nodes)
     r = run_plan(plan, LoadedModel(name="wide", module=_wide_head()[0], inputs=inputs, loss=None), steps=2)
-    assert r.measured_first_peak - r.predicted_first.peak_bytes <= 8
-    assert r.measured_peak - r.predicted.peak_bytes <= 8
+    assert 0 <= r.measured_first_peak - r.predicted_first.peak_bytes <= 4  # (see above)
+    assert 0 <= r.measured_peak - r.predicted.peak_bytes <= 4

@@ -2,7 +2,7 @@
 aot_eager and with inductor (docs/13-torch-compile.md).
 
     python tools/backend_memory.py [--model examples/gpt_narrow.py] [--batch N] [--seq N]
-                                   [--inners aot_eager,inductor] [--budgets 0.7,0.5,0.3]
+                                   [--inners aot_eager,inductor] [--budgets 0.7,0.5,0.3,floor]
                                    [--device cpu|cuda] [--md FILE]
 
 `--model` is a built-in (`gpt2-mid`), a model file (`.py` with `build()`),
@@ -161,7 +161,7 @@ def predicted_saved(plan) -> int:
     return sum(int(values[s].nbytes) for s in storages if values[s].kind not in (PARAM, BUFFER, INPUT))
 
 
-def run_one(base, call, budget: float, inner: str, ref: list[torch.Tensor], device: str = "cpu"):
+def run_one(base, call, budget, inner: str, ref: list[torch.Tensor], device: str = "cpu"):
     """One row: compile, a first step, then the measured second step."""
     import remat_ir
     from remat_ir.check.simulate import caller_held_bytes, simulate
@@ -190,8 +190,8 @@ def run_one(base, call, budget: float, inner: str, ref: list[torch.Tensor], devi
     # The fraction resolved: what the caller holds, plus `budget` of the rest
     # of the region's unoptimized peak (resolve_budget); the chunked loss
     # leaves the results and their tangents as they are.
-    row["unoptimized"] = sum(caller_held_bytes(p) + (p.header.budget.bytes - caller_held_bytes(p)) / budget
-                             for p in plans)
+    row["unoptimized"] = None if budget == "floor" else sum(
+        caller_held_bytes(p) + (p.header.budget.bytes - caller_held_bytes(p)) / budget for p in plans)
     row["pred_act"] = sum(simulate(p, grads_present=True).step_peak_bytes for p in plans)
     row["pred_saved"] = sum(predicted_saved(p) for p in plans)
     gc.collect()
@@ -215,6 +215,10 @@ def run_one(base, call, budget: float, inner: str, ref: list[torch.Tensor], devi
     return row
 
 
+def _budget(b) -> str:
+    return b if isinstance(b, str) else f"{b:g}"
+
+
 def table(name: str, rows: list[dict], grad_bytes: int, device: str = "cpu", eager: str = "") -> str:
     where = "CUDA caching allocator" if device == "cuda" else "CPU allocator"
     lines = [f"### {name}: the backend's memory, predicted and measured ({where})", "",
@@ -226,10 +230,11 @@ def table(name: str, rows: list[dict], grad_bytes: int, device: str = "cpu", eag
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['inner']} | {r['budget']:g} | | {r['status']} | | | | | | | |")
+            lines.append(f"| {r['inner']} | {_budget(r['budget'])} | | {r['status']} | | | | | | | |")
             continue
         tr = f"{r['tracker']:,}" if "tracker" in r else "-"
-        lines.append(f"| {r['inner']} | {r['budget']:g} | {r['unoptimized'] / MiB:.2f} MiB | {r['recomputed']} | {r['pred_saved']:,} | "
+        unopt = "-" if r["unoptimized"] is None else f"{r['unoptimized'] / MiB:.2f} MiB"
+        lines.append(f"| {r['inner']} | {_budget(r['budget'])} | {unopt} | {r['recomputed']} | {r['pred_saved']:,} | "
                      f"{r['live_after_fwd']:,} | {r['pred_act']:,} | {r['act']:,} | {tr} | "
                      f"{r['act'] - r['pred_act']:+,} ({100 * (r['act'] - r['pred_act']) / r['pred_act']:+.1f}%) "
                      f"| {r['grads']} |")
@@ -248,7 +253,7 @@ def main(argv=None) -> int:
     p.add_argument("--md", help="also write the table here")
     a = p.parse_args(argv)
     try:
-        budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
+        budgets = [b.strip() if b.strip() == "floor" else float(b) for b in a.budgets.split(",") if b.strip()]
         inners = [i.strip() for i in a.inners.split(",") if i.strip()]
         if any(i not in ("aot_eager", "inductor") for i in inners):
             raise ValueError("--inners: aot_eager, inductor")
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
     for inner in inners:
         for b in budgets:
             r = run_one(base, call, b, inner, ref[inner], a.device)
-            print(f"  {inner} {b:g}: {r['status']}" + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else ""),
+            print(f"  {inner} {_budget(b)}: {r['status']}" + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else ""),
                   file=sys.stderr, flush=True)
             rows.append(r)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)

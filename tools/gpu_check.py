@@ -368,7 +368,7 @@ def report(args, methods: list[Check], info: dict, wall: float) -> tuple[str, bo
         elif mm.grad_equal:
             gd = "bitwise"
         elif mm.program is not None and not keeps_bits(mm.program.header.rewrites) and mm.grad_rel <= GRAD_RTOL:
-            # A chunked loss sums in another order: within the documented tolerance is right.
+            # A rewrite that does not promise eager's bits (chunked attention): within the documented tolerance is right.
             gd = f"within tolerance ({mm.grad_rel:.1g} relative; {', '.join(mm.program.header.rewrites)})"
         else:
             gd = f"max diff {mm.grad_diff:.3g}"

@@ -6,24 +6,23 @@ traces the model again and replays the list); this module proves, from the
 plan alone, that each rewritten region computes what the region it stands
 for computed:
 
-* ``chunked_loss:K``: exactly K `nll_loss_forward` nodes, each summing
-  `log_softmax` (over the last dim) of one chunk's logits, a chunk being
-  rows [a, b) of one activation `x` times the transpose of one weight (plus
-  one bias), or rows [a, b) of one logits tensor, with rows [a, b) of one
-  target; the chunks' rows are disjoint and cover every row once; the loss is
-  the sum of the K chunk losses, each counted once, over the sum of the K
-  target counts (for a mean).  In backward, each chunk's logits gradient is
-  the loss backward of that chunk (the same scaled loss gradient for all);
-  the activation's gradient concatenates, in row order, one `g_i @ W` per
-  chunk; the weight's gradient is `g_0.T @ x_0` accumulated in place with
-  `g_i.T @ x_i` for every other chunk once (the bias's: the row sums).
-* ``chunked_loss:K:late``: the same, except for the weight's gradient: each
-  chunk's logits gradient is made again in backward, by the same ops on the
-  same operands (the chunk's logits, or its rows of `x` times the weight's
-  transpose, its `log_softmax`, its loss backward with the same arguments),
-  and `g_i.T @ x_i` of every chunk is added once, in place, into one
-  weight-shaped tensor whose final value is the weight's gradient output
-  (the embedding's gradient of a tied weight).
+* ``lm_head_nll:R``: the chunked loss (remat-ir's own ops, eager's bits by
+  their definition, `remat_ir/ir/ops.py`): exactly one `remat.lm_head_nll`,
+  in forward, taking R rows a chunk (R at least 16) and reducing to a
+  scalar, from 2-D rows (the head's input and its weight's transpose and
+  bias, or the logits alone) and one target per row; and exactly one
+  `remat.lm_head_nll_backward`, in backward, reading the same operands, the
+  forward's total weight and R, over the last dim in the rows' dtype, from
+  a tangent or a gradient made in backward.  What each op returns beyond
+  the loss, its total weight and the logits' gradient is its own working
+  memory, which nothing reads.
+* ``lm_head_nll:R:late``: the same, and a second `remat.lm_head_nll_backward`
+  with the same operands (the logits' gradient made again); the head's
+  weight gradient is one `mm` of the head's input with it (none with the
+  loss's own), added once to a weight-shaped tensor of its own (the tied
+  weight's other gradient) into the weight's gradient output.
+* ``chunked_loss:K``: the earlier chunked loss, refused by name: compile
+  the plan again.
 * ``chunked_attention:K``: each forward `cat` of K chunk matmuls `d_i @ v_i`
   is an attention in K chunks: chunk i reads rows [a_i, b_i) of one q, one
   k.T and one v (disjoint, covering every row once, in order); its scores
@@ -42,11 +41,15 @@ for computed:
 """
 from __future__ import annotations
 
-from remat_ir.ir.types import BACKWARD, FORWARD, GRAD, DType, Program, Ref, Seq, node_inputs
+from remat_ir.ir.header import retired_rewrite
+from remat_ir.ir.ops import MIN_LOSS_ROWS
+from remat_ir.ir.types import BACKWARD, FORWARD, GRAD, TANGENT, DType, Program, Ref, Seq, node_inputs
 
 __all__ = ["check_rewrites"]
 
-_KNOWN = ("batchnorm_split", "chunked_loss", "chunked_attention")
+_KNOWN = ("batchnorm_split", "lm_head_nll", "chunked_attention")
+_LOSS_OP = "remat.lm_head_nll.default"
+_LOSS_BWD = "remat.lm_head_nll_backward.default"
 
 
 def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
@@ -58,8 +61,8 @@ def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
         name, _, arg = spec.partition(":")
         k, _, late = arg.partition(":")
         region = None
-        if name == "chunked_loss" and k.isdigit() and int(k) >= 2 and late in ("", "late"):
-            region = _Chunks(program, int(k), bool(late))
+        if name == "lm_head_nll" and k.isdigit() and late in ("", "late"):
+            region = _Loss(program, int(k), bool(late))
         elif name == "chunked_attention" and arg.isdigit() and int(arg) >= 2:
             region = _Attention(program, int(arg))
         if region is not None:  # an error not at a node is the header's
@@ -67,10 +70,12 @@ def check_rewrites(program: Program) -> list[tuple[tuple, str]]:
                        for loc, m in region.check()]
         elif name == "batchnorm_split" and not arg:
             errors += _batchnorm(program)
+        elif retired_rewrite(spec):
+            errors.append((("header", -1, line), retired_rewrite(spec)))
         else:
             errors.append((("header", -1, line), f"unknown rewrite {spec!r}: remat-ir knows "
-                                                 f"{', '.join(_KNOWN)} (chunked_loss:K or chunked_loss:K:late, "
-                                                 "chunked_attention:K, K >= 2 chunks)"))
+                                                 f"{', '.join(_KNOWN)} (lm_head_nll:R or lm_head_nll:R:late, R rows a "
+                                                 "chunk; chunked_attention:K, K >= 2 chunks)"))
     return errors
 
 
@@ -112,284 +117,123 @@ class _Region:
         return n.args[0].name, n.args[2], n.args[3]
 
 
-class _Chunks(_Region):
-    def __init__(self, program: Program, k: int, late: bool = False):
-        super().__init__(program, k)
+class _Loss(_Region):
+    """``lm_head_nll:R``: see the module's docstring."""
+
+    def __init__(self, program: Program, rows: int, late: bool = False):
+        super().__init__(program, rows)
         self.late = late
-        self.count = None  # the mean's divisor: the sum of the chunks' target counts
 
     def check(self) -> list:
-        nlls = [n for n in self.p.nodes if n.op == "aten.nll_loss_forward.default" and n.phase == FORWARD]
-        if len(nlls) != self.k:
-            self.fail(f"the graph has {len(nlls)} nll_loss_forward nodes, not {self.k} chunks")
+        rows = self.k
+        if rows < MIN_LOSS_ROWS:
+            self.fail(f"a chunk takes at least {MIN_LOSS_ROWS} rows (fewer rows of a matmul are not checked to "
+                      f"give eager's bits), not {rows}")
             return self.errors
-        chunks = []
-        for n in nlls:
-            c = self.chunk(n)
-            if c is None:
-                return self.errors
-            chunks.append(c)
-        first = chunks[0]
-        for c in chunks[1:]:
-            for key in ("x", "weight_t", "bias", "logits", "target", "ignore_index", "mode"):
-                if c[key] != first[key]:
-                    self.fail(f"chunk {c['node'].name} reads another {key} than {first['node'].name}", c["node"])
-                    return self.errors
-        chunks.sort(key=lambda c: c["a"])
-        n_rows = self.values[first["target"]].shape[0]
-        edge = 0
-        for c in chunks:
-            if c["a"] != edge or c["b"] <= c["a"]:
-                self.fail(f"chunk {c['node'].name} covers rows [{c['a']}, {c['b']}); the chunks must cover "
-                          f"rows 0..{n_rows} each once, in pieces, and the next starts at {edge}", c["node"])
-                return self.errors
-            edge = c["b"]
-        if edge != n_rows:
-            self.fail(f"the chunks cover rows 0..{edge} of {n_rows}")
+        fwd = [n for n in self.p.nodes if n.op == _LOSS_OP]
+        if len(fwd) != 1 or fwd[0].phase != FORWARD:
+            self.fail(f"the graph has {len(fwd)} remat.lm_head_nll nodes, not one in forward")
             return self.errors
-        self.check_loss(chunks)
-        if not self.errors:
-            self.check_backward(chunks)
+        (f,) = fwd
+        if f.kwargs or len(f.args) != 7:
+            self.fail(f"{f.name}: remat.lm_head_nll takes 7 arguments", f)
+            return self.errors
+        x, wt, bias, target, reduction, ignore_index, r = f.args
+        if r != rows or reduction not in (1, 2) or not isinstance(ignore_index, int):
+            self.fail(f"{f.name}: the chunked loss must take {rows} rows a chunk and reduce to a scalar "
+                      "(mean or sum)", f)
+            return self.errors
+        if not isinstance(x, Ref) or not isinstance(target, Ref) or (wt is None and bias is not None):
+            self.fail(f"{f.name}: the chunked loss must read one input, its weight's transpose and bias "
+                      "(or the logits alone) and the targets", f)
+            return self.errors
+        xv = self.values[x.name]
+        if len(xv.shape) != 2 or self.values[target.name].shape != xv.shape[:1]:
+            self.fail(f"{f.name}: the chunked loss must read 2-D rows and one target per row", f)
+            return self.errors
+        self.unread(f, f.outputs[2:])
+        bwd = [n for n in self.p.nodes if n.op == _LOSS_BWD]
+        want = 2 if self.late else 1
+        if len(bwd) != want:
+            self.fail(f"the graph has {len(bwd)} remat.lm_head_nll_backward nodes, not {want}"
+                      + (" (the loss's backward, and the logits' gradient made again for the tied weight's)"
+                         if self.late else ""))
+            return self.errors
+        same = list(f.args[:6]) + [Ref(f.outputs[1])]
+        for b in bwd:
+            if (b.phase != BACKWARD or b.kwargs or len(b.args) != 11 or b.args[1:8] != same or b.args[10] != rows
+                    or b.args[8] not in (1, -1) or b.args[9] != DType(xv.dtype)):
+                self.fail(f"{b.name}: the loss's backward must read what its forward {f.name} read, its total "
+                          f"weight, {rows} rows a chunk, over the last dim in {xv.dtype}", b)
+                return self.errors
+            g = b.args[0]
+            gv = self.values.get(g.name) if isinstance(g, Ref) else None
+            if gv is None or not (gv.kind == TANGENT or (g.name in self.producer
+                                                        and self.producer[g.name].phase == BACKWARD)):
+                self.fail(f"{b.name}: the loss's gradient must be a tangent or made in backward", b)
+                return self.errors
+            self.unread(b, b.outputs[1:])
+        if self.late and not self.errors:
+            if bwd[0].args != bwd[1].args:
+                self.fail(f"{bwd[1].name}: the logits' gradient made again must be made by the same op on the "
+                          f"same operands as {bwd[0].name}", bwd[1])
+            elif wt is None:
+                self.fail(f"{f.name}: late, the chunked loss must start from the head's input and weight", f)
+            else:
+                self.check_late(bwd, x.name, wt.name)
         return self.errors
 
-    def chunk(self, nll):
-        lp, target, weight, reduction, ignore_index = nll.args[:5]
-        if weight is not None or reduction != 2:
-            self.fail(f"{nll.name} must sum (reduction 2) without class weights", nll)
-            return None
-        lsm = self.made_by(lp, "aten._log_softmax.default")
-        if lsm is None or lsm.args[1] not in (1, -1) or lsm.args[2] is not False:
-            self.fail(f"{nll.name} does not read a log_softmax over the last dim", nll)
-            return None
-        t = self.rows(target)
-        logits = lsm.args[0]
-        mm = self.made_by(logits, "aten.mm.default") or self.made_by(logits, "aten.addmm.default")
-        c = {"node": nll, "lsm": lsm, "ignore_index": ignore_index, "bias": None, "weight_t": None,
-             "logits": None, "x": None}
-        if mm is not None:
-            bias, x, wt = (mm.args[0], mm.args[1], mm.args[2]) if mm.op == "aten.addmm.default" else (
-                None, *mm.args[:2])
-            xr = self.rows(x)
-            if xr is None or len(mm.args) > (3 if bias is not None else 2):
-                self.fail(f"{mm.name}: a chunk's logits must be rows [a, b) of one activation times a "
-                          "weight's transpose", mm)
-                return None
-            c.update(mode="matmul", x=xr[0], weight_t=wt.name, bias=bias.name if bias else None, a=xr[1],
-                     b=xr[2], mm=mm)
-        else:
-            lr = self.rows(logits)
-            if lr is None:
-                self.fail(f"{lsm.name}: a chunk's logits must be a matmul of rows of one activation, or "
-                          "rows of one logits tensor", lsm)
-                return None
-            c.update(mode="slice", logits=lr[0], a=lr[1], b=lr[2])
-        if t is None or (t[1], t[2]) != (c["a"], c["b"]):
-            self.fail(f"{nll.name}: the targets must be the same rows [{c['a']}, {c['b']}) as the logits", nll)
-            return None
-        c["target"], c["target_chunk"] = t[0], target.name
-        return c
+    def unread(self, n, outputs) -> None:
+        for o in outputs:
+            if o and self.readers.get(o):
+                self.fail(f"{n.name}: {o} is the op's own working memory; nothing may read it", n)
 
-    def sum_of(self, value: str) -> list[str] | None:
-        """The leaves of the tree of `aten.add.Tensor` that makes `value`."""
-        n = self.producer.get(value)
-        if n is None or n.op != "aten.add.Tensor" or len(n.args) != 2:
-            return [value]
-        out = []
-        for a in n.args:
-            if not isinstance(a, Ref):
-                return None
-            sub = self.sum_of(a.name)
-            if sub is None:
-                return None
-            out += sub
-        return out
+    def views_of(self, name: str) -> set[str]:
+        """The values whose storage is `name`'s."""
+        s = self.values[name].storage
+        return {v.name for v in self.p.values if v.storage == s}
 
-    def check_loss(self, chunks):
-        losses = sorted(c["node"].outputs[0] for c in chunks)
-        counts = sorted(c["node"].outputs[1] if len(c["node"].outputs) > 1 else "" for c in chunks)
-        readers = self.readers
-        # The loss: the add tree over every chunk loss, maybe divided by the count tree.
-        top = None
-        for n in self.p.nodes:
-            if n.phase != FORWARD or n.op not in ("aten.add.Tensor", "aten.div.Tensor"):
-                continue
-            leaves = self.sum_of(n.outputs[0]) if n.op == "aten.add.Tensor" else None
-            if n.op == "aten.add.Tensor" and leaves is not None and sorted(leaves) == losses:
-                top = n
-        if top is None:
-            self.fail("no sum of the chunk losses with each chunk counted once")
+    def check_late(self, bwd, x: str, wt: str) -> None:
+        """The head's weight gradient is made only from the logits' gradient
+        made again (`bwd[1]`): one `mm` of it with the head's input, summed
+        with a weight-shaped tensor of its own into the weight's gradient."""
+        weight = self.values[wt].storage
+        heads = {}
+        for k, b in enumerate(bwd):
+            g = self.views_of(b.outputs[0])
+            heads[k] = [n for n in self.p.nodes if n.phase == BACKWARD and n.op == "aten.mm.default"
+                        and len(n.args) == 2 and Ref(x) in n.args
+                        and any(isinstance(a, Ref) and a.name in g for a in n.args)]
+        if heads[0] or len(heads[1]) != 1:
+            self.fail(f"late: the head's weight gradient must be one matmul of the head's input with the logits' "
+                      f"gradient made again ({bwd[1].name}), and none with the loss's own")
             return
-        self.count = None
-        divs = [n for n in readers.get(top.outputs[0], []) if n.op == "aten.div.Tensor" and n.phase == FORWARD]
-        if divs:
-            d = divs[0]
-            if not (isinstance(d.args[1], Ref) and sorted(self.sum_of(d.args[1].name) or []) == counts):
-                self.fail(f"{d.name}: a mean loss divides the sum by the sum of every chunk's target count", d)
-                return
-            self.count = d.args[1].name
-
-    def check_backward(self, chunks):
-        producer = self.producer
-        grads, per_chunk, late = set(), {}, {}
-        for c in chunks:
-            lp = c["lsm"].outputs[0]
-            gl = [n for n in self.p.nodes if n.phase == BACKWARD and n.op in (
-                "remat.nll_log_softmax_backward.default", "aten.nll_loss_backward.default")
-                and len(n.args) > 2 and n.args[1] == Ref(lp)]
-            if len(gl) != 1:
-                self.fail(f"chunk {c['node'].name} has {len(gl)} loss backward nodes, not one", c["node"])
-                return
-            per_chunk[c["a"]] = []
-            for g in gl:
-                if g.args[2] != Ref(c["target_chunk"]):
-                    self.fail(f"{g.name}: the chunk's loss backward must read the chunk's own targets", g)
-                    return
-                if g.args[4] != 2 or g.args[5] != c["ignore_index"]:
-                    self.fail(f"{g.name}: the chunk's loss backward must sum with ignore_index "
-                              f"{c['ignore_index']}", g)
-                    return
-                grads.add(g.args[0].name if isinstance(g.args[0], Ref) else "")
-                if g.op == "aten.nll_loss_backward.default":
-                    nxt = [n for n in self.p.nodes if n.op == "aten._log_softmax_backward_data.default"
-                           and n.args[0] == Ref(g.outputs[0]) and n.args[1] == Ref(lp)]
-                    if len(nxt) != 1:
-                        self.fail(f"{g.name}: no log_softmax backward of this chunk follows", g)
-                        return
-                    g = nxt[0]
-                per_chunk[c["a"]].append(g.outputs[0])
-            if self.late:
-                made = self.made_again(c, gl[0])
-                if made is None:
-                    return
-                late[c["a"]] = [made]
-        if len(grads) != 1:
-            self.fail("the chunks' loss backward nodes read different loss gradients")
+        mm = heads[1][0]
+        made = self.views_of(mm.outputs[0])
+        sums = [n for n in self.p.nodes if n.phase == BACKWARD and n.op in ("aten.add_.Tensor", "aten.add.Tensor")
+                and not n.kwargs and len(n.args) == 2 and sum(isinstance(a, Ref) and a.name in made
+                                                              for a in n.args) == 1]
+        if len(sums) != 1:
+            self.fail(f"{mm.name}: late, the head's weight gradient must be added once to the weight's other "
+                      "gradient", mm)
             return
-        (gs,) = grads
-        if self.count is not None:
-            d = producer.get(gs)
-            if d is None or d.op != "aten.div.Tensor" or d.args[1] != Ref(self.count):
-                self.fail("a mean loss's chunks must take the loss gradient over the target count")
-                return
-        if chunks[0]["mode"] == "matmul":
-            weight, x_name = self.values[chunks[0]["weight_t"]].storage, chunks[0]["x"]
-        else:
-            # Sliced logits (the caller receives them whole): the gradients
-            # flow to that one matmul's activation and weight.
-            found = self._slice_head(chunks)
-            if found is None:
-                return
-            weight, x_name = found
-        order = [per_chunk[c["a"]] for c in chunks]  # each chunk's logits gradients
-        # dx: cat of g_i @ W in row order.
-        cats = [n for n in self.p.nodes if n.op == "aten.cat.default" and n.phase == BACKWARD
-                and isinstance(n.args[0], Seq) and len(n.args[0].items) == len(order)]
-        ok = False
-        for n in cats:
-            parts = [producer.get(r.name) if isinstance(r, Ref) else None for r in n.args[0].items]
-            if (all(p is not None and p.op == "aten.mm.default" and p.args[1] == Ref(weight) for p in parts)
-                    and all(isinstance(p.args[0], Ref) and p.args[0].name in gs_
-                            for p, gs_ in zip(parts, order))
-                    and (len(n.args) < 2 or n.args[1] == 0)):
-                ok = True
-        if not ok:
-            self.fail("the activation's gradient must concatenate, in row order, each chunk's "
-                      "logits gradient times the weight")
-        # dW: one mm then one in-place addmm per other chunk, each chunk once
-        # (late: an in-place addmm per chunk into the tied weight's other gradient).
-        bounds = {c["a"]: c["b"] for c in chunks}
-        source = {g: a for a, gs_ in list(per_chunk.items()) + list(late.items()) for g in gs_}
-        seen = []
-        for n in self.p.nodes:
-            if n.phase != BACKWARD:
-                continue
-            if n.op in ("aten.mm.default", "aten.addmm_.default"):
-                lhs, rhs = (n.args[0], n.args[1]) if n.op == "aten.mm.default" else (n.args[1], n.args[2])
-                t = producer.get(lhs.name) if isinstance(lhs, Ref) else None
-                if t is not None and t.op == "aten.t.default" and isinstance(t.args[0], Ref) and (
-                        t.args[0].name in source):
-                    a = source[t.args[0].name]
-                    if (t.args[0].name in late.get(a, ())) != self.late:
-                        self.fail(f"{n.name}: the weight gradient must take each chunk's logits gradient "
-                                  + ("made again at the end of backward" if self.late else "of the loss"), n)
-                        return
-                    if self.rows(rhs) != (x_name, a, bounds[a]):
-                        self.fail(f"{n.name}: chunk rows [{a}, {bounds[a]}) of the weight gradient must "
-                                  "multiply the same rows of the activation", n)
-                        return
-                    into = seen[-1][1] if seen else None
-                    if n.op == "aten.mm.default":
-                        ok = into is None and not self.late
-                    else:
-                        ok = isinstance(n.args[0], Ref) and (self.late if into is None else n.args[0].name == into)
-                    if not ok:
-                        self.fail(f"{n.name}: the weight gradient must accumulate in place into one tensor", n)
-                        return
-                    if into is None and self.late and not self.tied_base(n.args[0].name, weight, n):
-                        return
-                    seen.append((a, n.outputs[0]))
-        if sorted(a for a, _ in seen) != sorted(per_chunk):
-            self.fail("the weight gradient must take every chunk's contribution exactly once")
-        elif self.late and not any(o.kind == GRAD and o.key == weight and o.value == seen[-1][1]
-                                   for o in self.p.outputs):
-            self.fail(f"{seen[-1][1]}: the late weight gradient's sum must be the gradient output of {weight}")
-
-    def made_again(self, c, g):
-        """The logits gradient of chunk `c` made again in backward by the same
-        ops on the same operands as its loss backward `g`; None (and an
-        error) when there is not exactly one."""
-        lp = c["lsm"].outputs[0]
-        found = []
-        for n in self.p.nodes:
-            if n.phase != BACKWARD or n.op != g.op or len(n.args) != len(g.args) or n is g:
-                continue
-            lsm = self.producer.get(n.args[1].name) if isinstance(n.args[1], Ref) else None
-            if lsm is None or lsm.phase != BACKWARD or lsm.op != c["lsm"].op or lsm.args[1:] != c["lsm"].args[1:]:
-                continue
-            again = Ref(lsm.outputs[0])
-            if [again if a == Ref(lp) else a for a in g.args] != n.args:
-                continue
-            logits = lsm.args[0]
-            if c["mode"] == "matmul":
-                mm = self.producer.get(logits.name) if isinstance(logits, Ref) else None
-                if mm is None or mm.op != c["mm"].op or mm.args != c["mm"].args or mm.kwargs:
-                    continue
-            elif logits != c["lsm"].args[0]:
-                continue
-            if n.op == "aten.nll_loss_backward.default":
-                nxt = [m for m in self.p.nodes if m.op == "aten._log_softmax_backward_data.default"
-                       and m.args[0] == Ref(n.outputs[0]) and m.args[1] == again]
-                if len(nxt) != 1:
-                    continue
-                n = nxt[0]
-            found.append(n.outputs[0])
-        if len(found) != 1:
-            self.fail(f"chunk {c['node'].name}: late, its logits gradient must be made again in backward "
-                      f"exactly once, by the same ops on the same operands (found {len(found)})", c["node"])
-            return None
-        return found[0]
+        add = sums[0]
+        other = next(a.name for a in add.args if a.name not in made)
+        if not self.tied_base(other, weight, add):
+            return
+        if not any(o.kind == GRAD and o.key == weight and o.value == add.outputs[0] for o in self.p.outputs):
+            self.fail(f"{add.outputs[0]}: the late weight gradient's sum must be the gradient output of {weight}",
+                      add)
 
     def tied_base(self, name: str, weight: str, n) -> bool:
-        """Whether `name`, which the late weight gradient accumulates into,
-        is a weight-shaped tensor of its own (the tied weight's other gradient)."""
+        """Whether `name`, which the late weight gradient is added to, is a
+        weight-shaped tensor of its own (the tied weight's other gradient)."""
         v, w = self.values.get(name), self.values[weight]
         if v is None or v.storage != v.name or v.shape != w.shape or v.dtype != w.dtype:
-            self.fail(f"{n.name}: the late weight gradient must accumulate into a tensor of its own shaped "
+            self.fail(f"{n.name}: the late weight gradient must be added to a tensor of its own shaped "
                       f"like {weight}", n)
             return False
         return True
-
-
-    def _slice_head(self, chunks):
-        """(weight, activation) of the one matmul whose result the chunks slice."""
-        logits = self.values[chunks[0]["logits"]].storage
-        mms = [n for n in self.p.nodes if n.phase == FORWARD and n.op in ("aten.mm.default", "aten.addmm.default")
-               and self.values[n.outputs[0]].storage == logits]
-        if len(mms) != 1:
-            self.fail("the sliced logits are not one matmul's result")
-            return None
-        x, wt = mms[0].args[-2], mms[0].args[-1]
-        return self.values[wt.name].storage, x.name
 
 
 def _batchnorm(program: Program) -> list:

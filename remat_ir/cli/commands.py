@@ -68,8 +68,9 @@ def _compile_parser() -> argparse.ArgumentParser:
                         "per-block MILP at a node limit; full solves each to its gap tolerance. Both give "
                         "the same plan on any machine")
     p.add_argument("--exact", action="store_true",
-                   help="allow only graph rewrites that keep eager's bits (the BatchNorm split), not the "
-                        "chunked LM head and loss, whose float sums run in another order")
+                   help="allow only graph rewrites that keep eager's bits (the BatchNorm split, the "
+                        "chunked loss), not chunked attention, whose batched matmuls over fewer matrices "
+                        "may take another kernel")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
                         "measured on --device (needs real tensors: not with --fake)")

@@ -6,6 +6,7 @@ runtime runs.
     autocast_problem("cpu:bfloat16", "cpu")   -> ""
     constant_problem("scale=2.0")             -> ""
     header_problems(header)                   -> [(line name, message), ...]
+    retired_rewrite("chunked_loss:8")         -> "rewrite chunked_loss:8: the earlier ..."
 
 An autocast is "<device type>:<dtype>", "" for none: the plan's device's
 type, and a dtype `torch.autocast` takes there (any other it disables with a
@@ -92,3 +93,14 @@ def header_problems(header) -> list[tuple[str, str]]:
         if problem:
             out.append(("constants", f"constant {problem}"))
     return out
+
+
+def retired_rewrite(spec: str) -> str:
+    """Why a plan naming the rewrite `spec` is refused, in one line, when
+    `spec` is a rewrite this remat-ir no longer runs (the earlier chunked
+    loss, `chunked_loss:K`, not eager's bits: `lm_head_nll:R` replaced it);
+    "" for any other."""
+    if spec.partition(":")[0] != "chunked_loss":
+        return ""
+    return (f"rewrite {clip(spec)}: the earlier chunked loss (not eager's bits), which this remat-ir no longer "
+            "runs; compile the plan again (remat-compile), which chunks the loss with lm_head_nll")

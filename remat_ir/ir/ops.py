@@ -106,6 +106,20 @@ _lib.define("lm_head_nll_backward(Tensor grad_output, Tensor input, Tensor? weig
             "ScalarType input_dtype, int rows) -> (Tensor, Tensor)")
 
 
+# The chunked loss's scratch buffer is about this size (a chunk's log-probabilities).
+LOSS_SCRATCH_BYTES = 1 << 20
+# Chunks are at least this many rows: a matmul's rows are checked bit-equal from 12 at a time.
+MIN_LOSS_ROWS = 16
+
+
+def loss_rows(n: int, vocab: int, itemsize: int) -> int:
+    """Rows per chunk of the chunked loss over `n` rows of `vocab` classes:
+    a sixteenth of the rows, at most a scratch of about LOSS_SCRATCH_BYTES,
+    a multiple of 16 and at least MIN_LOSS_ROWS."""
+    rows = min(n // 16, LOSS_SCRATCH_BYTES // max(1, vocab * itemsize))
+    return max(MIN_LOSS_ROWS, rows // 16 * 16)
+
+
 def loss_spans(n: int, rows: int) -> list[tuple[int, int]]:
     """The row ranges of the chunked loss: `rows` each, the last one taking
     the remainder (so no chunk but a single one has fewer than `rows`)."""

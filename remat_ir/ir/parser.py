@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from remat_ir.ir.header import retired_rewrite
 from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
@@ -292,6 +293,15 @@ class _Reader:
             raise self.error_at(self.n, col, f"{e} (the guard language: docs/01-plan-format.md, Guards)") from None
         return text
 
+    def rewrite(self) -> str:
+        """A rewrite's name; one this remat-ir no longer runs is refused here, at load."""
+        at = self.skip()
+        spec = self.word_value("a rewrite (batchnorm_split, lm_head_nll:32)")
+        why = retired_rewrite(spec)
+        if why:
+            raise self.error_at(self.n, at + 1, why)
+        return spec
+
     def word_value(self, expected: str) -> str:
         """A NAME or a STRING: a name that is never a keyword (module, source, ...)."""
         i = self.skip()
@@ -475,10 +485,10 @@ class _Reader:
             h.host_budget = self.integer("the host budget in bytes (an integer)")
             self.expect_keyword("bytes")
         elif field == "rewrites":
-            h.rewrites = [self.word_value("a rewrite (batchnorm_split, chunked_loss:8)")]
+            h.rewrites = [self.rewrite()]
             while self.follows(","):
                 self.i += 1
-                h.rewrites.append(self.word_value("a rewrite (batchnorm_split, chunked_loss:8)"))
+                h.rewrites.append(self.rewrite())
         elif field == "autocast":
             h.autocast = self.word_value("the autocast as device:dtype (cpu:bfloat16)")
         elif field == "sizes":

@@ -20,7 +20,7 @@ The grammar is `grammar/rir.lark` (installed as the package data of
     host_budget 1048576 bytes                   # 1.00 MiB of offloaded copies (line absent: none)
     has_loss true
     output_spec "[1, {\\"type\\": null, ...}]"
-    rewrites chunked_loss:8                     # graph rewrites applied (line absent: none)
+    rewrites lm_head_nll:32                     # graph rewrites applied (line absent: none)
     autocast cpu:bfloat16                       # the caller's torch.autocast (line absent: none)
     held_gradients true                         # a compiled backward: gradients held until it returns
     constants "scale=2.0", "use_cache=False"    # the call's non-tensor arguments

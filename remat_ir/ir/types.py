@@ -210,7 +210,7 @@ class Header(msgspec.Struct, omit_defaults=True):
     output_spec: str = ""  # torch.utils._pytree treespec of the forward results, serialized
     has_loss: bool = False  # the program includes the loss function given at compile time
     # Graph rewrites applied to the traced step, in order (`remat_ir.rewrite`):
-    # "batchnorm_split", "chunked_loss:8".  Applying them to a fresh trace of
+    # "batchnorm_split", "lm_head_nll:32".  Applying them to a fresh trace of
     # the model gives this graph again.
     rewrites: list[str] = []
     # The caller's `torch.autocast` the step was traced under: "<device type>:<dtype>"

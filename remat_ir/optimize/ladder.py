@@ -6,11 +6,13 @@ below its floor.  Then the rungs, least change first:
 
     batchnorm_split                     (when the graph has a training BatchNorm;
                                          eager's bits, so allowed under `exact`)
-    [batchnorm_split,] chunked_loss:K   K = 2, 4, 8, ... (not under `exact`)
-    [batchnorm_split,] chunked_loss:K:late
+    [batchnorm_split,] lm_head_nll:R    the chunked loss, R rows a chunk (a scratch
+                                        of about 1 MiB; eager's bits, so allowed
+                                        under `exact`)
+    [batchnorm_split,] lm_head_nll:R:late
                                         a head weight tied to the embedding:
-                                        its head gradient made at the end of
-                                        backward (more compute, a weight less held)
+                                        its head gradient made again at the end
+                                        of backward (more compute, a weight less held)
     [... the last of those,] chunked_attention:K
                                         K = 2, 4, 8: every softmax attention in K
                                         chunks of its B*H matrices
@@ -18,8 +20,9 @@ below its floor.  Then the rungs, least change first:
 Whether a rung fits is decided by its floor when the rewritten graph is
 planned block by block (large graphs, where that search takes seconds),
 else by a node-limited search at the budget, then by the floor.  The rungs
-are tried in order until one fits (the fewest chunks that fit; a family,
-plain or late, whose most chunks do not fit is passed over whole), and the
+are tried in order until one fits (the fewest chunks that fit; a family
+whose most chunks do not fit is passed over whole; the chunked loss's two
+families, plain and late, have one rung each), and the
 next count up in that family is planned too: the one with the lower total
 cost (every op of the rewritten step plus its recomputes, in the program's
 cost model) wins, the fewer chunks on a tie.
@@ -44,8 +47,8 @@ from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize import search
 from remat_ir.optimize.problem import Infeasible, Memo, OptimizeResult, Problem, Settings
 from remat_ir.rewrite import (
-    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, chunk_choices,
-    describe, has_batchnorm, late_applies,
+    BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, describe,
+    has_batchnorm, late_applies, loss_rows_of,
 )
 
 OWN_BLOCKS = ("(the graph, block by block)",)  # the graph's own floor searched by blocks
@@ -91,10 +94,11 @@ class _Ladder:
         base = (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
         steps = [base] if base else []
         if not self.exact or BIT_EXACT[CHUNKED_LOSS]:
-            ks = chunk_choices(self.program)
-            steps += [base + (f"{CHUNKED_LOSS}:{k}",) for k in ks]
-            if ks and late_applies(self.program):
-                steps += [base + (f"{CHUNKED_LOSS}:{k}:late",) for k in ks]
+            rows = loss_rows_of(self.program)
+            if rows is not None:
+                steps.append(base + (f"{CHUNKED_LOSS}:{rows}",))
+                if late_applies(self.program):
+                    steps.append(base + (f"{CHUNKED_LOSS}:{rows}:late",))
         if not self.exact or BIT_EXACT[CHUNKED_ATTENTION]:
             last = steps[-1] if steps else base
             steps += [last + (f"{CHUNKED_ATTENTION}:{k}",) for k in attention_choices(self.program)]
@@ -213,13 +217,13 @@ def _finish(lad: _Ladder, r: OptimizeResult, t0: float, budget: int | None) -> O
 
 def floor(program: Program, settings: Settings | None = None, memo: LadderMemo | None = None, *,
           scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
-    """The smallest peak the optimizer reaches: the graph's own floor, or the
-    last rung's (the most chunks) when that is lower; the result's plan is
-    that rung's floor plan.  When the last family of rungs (chunked
-    attention, or the late tied gradient) does not lower the floor below the
-    family before it, that one's last rung is used: the same floor with less
-    recompute.  Only those two are compared (each floor search of a
-    rewritten graph takes seconds)."""
+    """The smallest peak the optimizer reaches: the graph's own floor, or
+    the lowest floor of a family's last rung (the most chunks) when that is
+    lower; the result's plan is that rung's floor plan.  A later family
+    (the late tied gradient, chunked attention) is used only when it lowers
+    the floor below the families before it: the same floor with less
+    change and recompute otherwise.  Only each family's last rung is
+    searched (each floor search of a rewritten graph takes seconds)."""
     t0 = time.perf_counter()
     settings = search.settings_of(settings, **given)
     lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log)
@@ -230,7 +234,7 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
         best = (lad.floor_of(own), own)
         ends = [i for i in range(len(steps)) if i + 1 == len(steps) or _family(steps[i + 1]) != _family(steps[i])]
         last = None
-        for i in reversed(ends[-2:]):  # the last family's floor, then the one before it
+        for i in reversed(ends):  # the last family's floor, then those before it
             if steps[i] == (BATCHNORM_SPLIT,) and last is not None:
                 break
             f = lad.floor_of(steps[i])
@@ -249,9 +253,12 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
 def optimize(program: Program, budget: int, settings: Settings | None = None, memo: LadderMemo | None = None,
              *, scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
     """The cheapest plan for `budget` the ladder finds; raises Infeasible
-    (with the floor of the last rung) when none fits.  The graph itself is
+    (with the lowest floor found) when none fits.  The graph itself is
     probed by a search that stops at its node limits without proving a
-    floor; each rung, by that search and then by its floor."""
+    floor; each rung, by that search and then by its floor; when no rung
+    fits, the graph itself once more, by the flat search to its floor where
+    that search takes the graph (a rung planned block by block may stop
+    above what the flat search reaches)."""
     t0 = time.perf_counter()
     budget = int(budget)
     settings = search.settings_of(settings, **given)
@@ -261,6 +268,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         # `--budget floor`: the floor rung's floor plan (its memo holds it).
         return _finish(lad, lad.optimize(m.floor_rung, budget, prove=True), t0, budget)
     steps = lad.steps()
+    own = None
     try:
         own = lad.own_rung(steps)
         if own == OWN_BLOCKS and lad.floor_of(own) > budget:
@@ -317,9 +325,21 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
             break
         lo = end + 1
     if lo == len(steps):
-        # Nothing fits: refuse with the lowest floor a rung reached (every
-        # family's last was tested; the last rung's need not be the lowest).
+        # No rung fits.  The graph itself, when the flat search takes it, was
+        # probed without its floor (or judged by its floor block by block): a
+        # rung planned block by block can have a higher floor than the flat
+        # search reaches, so the graph's own flat search goes to its floor first.
+        own_error = None
+        if own == () or (own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings)):
+            try:
+                return _finish(lad, lad.optimize((), budget, prove=True), t0, budget)
+            except Infeasible as e:
+                own_error = e
+        # Refuse with the lowest floor a rung reached (every family's last
+        # was tested; the last rung's need not be the lowest), or the graph's.
         low = min((i for i in tested if steps[i] in m.floors), key=lambda i: (m.floors[steps[i]], i))
+        if own_error is not None and 0 < own_error.floor_bytes <= m.floors[steps[low]]:
+            raise own_error
         if m.floors[steps[low]] == UNUSABLE:
             own_floor = lad.floor_of(own)
             raise Infeasible(f"budget is below the floor: the smallest activation peak this graph allows is "

@@ -6,12 +6,14 @@ that it can:
 
     batchnorm_split     a training BatchNorm as a running-stat update plus a pure
                         normalization that can be recomputed (eager's bits)
-    chunked_loss:K      the LM head and cross-entropy in K row chunks, so no
-                        logits-sized tensor is ever whole (not eager's bits:
-                        float sums in another order)
-    chunked_loss:K:late the same, and a head weight tied to the embedding gets
-                        its head gradient at the end of backward, from the
-                        chunks made again, so it is not held through backward
+    lm_head_nll:R       the chunked loss: cross-entropy (and the LM head's matmul,
+                        where nothing else reads the logits) R rows at a time by
+                        remat.lm_head_nll, no logits-sized tensor kept for
+                        backward (eager's bits)
+    lm_head_nll:R:late  the same, and a head weight tied to the embedding gets
+                        its head gradient just before the embedding's, from the
+                        logits' gradient made again, so it is not held through
+                        backward (eager's bits)
     chunked_attention:K every softmax attention in K chunks of its B*H matrices, so
                         no [B, H, T, T] tensor is ever whole (the dropout mask is
                         drawn whole, as eager's)
@@ -26,6 +28,7 @@ verifier checks their results without this code (`remat_ir.check.rewritten`).
 from __future__ import annotations
 
 from remat_ir.ir import Program
+from remat_ir.ir.header import retired_rewrite
 from remat_ir.rewrite.batchnorm import NAME as BATCHNORM_SPLIT
 from remat_ir.rewrite.batchnorm import candidates as batchnorm_candidates
 from remat_ir.rewrite.batchnorm import split_batchnorm
@@ -33,37 +36,40 @@ from remat_ir.rewrite.chunk_attention import NAME as CHUNKED_ATTENTION
 from remat_ir.rewrite.chunk_attention import chunk_attention
 from remat_ir.rewrite.chunk_attention import chunk_choices as attention_choices
 from remat_ir.rewrite.chunk_loss import NAME as CHUNKED_LOSS
-from remat_ir.rewrite.chunk_loss import NotApplicable, chunk_loss, region, tied
+from remat_ir.rewrite.chunk_loss import NotApplicable, chunk_loss, region, rows_of, tied
 
 __all__ = ["BATCHNORM_SPLIT", "BIT_EXACT", "CHUNKED_ATTENTION", "CHUNKED_LOSS", "NotApplicable", "apply",
-           "attention_choices", "chunk_choices", "describe", "has_batchnorm", "keeps_bits", "late_applies"]
+           "attention_choices", "describe", "has_batchnorm", "keeps_bits", "late_applies", "loss_rows_of",
+           "region"]
 
 # Whether a rewrite keeps eager's bits (`--exact` allows only these).  Chunked
 # attention gave eager's bits on CPU in every test, but a batched matmul over
 # fewer matrices may pick another kernel (cuBLAS does), so it does not claim them.
-BIT_EXACT = {BATCHNORM_SPLIT: True, CHUNKED_LOSS: False, CHUNKED_ATTENTION: False}
+BIT_EXACT = {BATCHNORM_SPLIT: True, CHUNKED_LOSS: True, CHUNKED_ATTENTION: False}
 
 
 def apply(program: Program, names: list[str]) -> Program:
-    """`program` with the rewrites `names` ("batchnorm_split", "chunked_loss:8")
+    """`program` with the rewrites `names` ("batchnorm_split", "lm_head_nll:32")
     applied in order.  Raises NotApplicable (a ValueError) for a name that is
     unknown or a rewrite the graph does not allow."""
     for spec in names:
         name, _, arg = spec.partition(":")
         if name == BATCHNORM_SPLIT and not arg:
             program = split_batchnorm(program)
-        elif name == CHUNKED_LOSS and _chunks(arg):
-            program = chunk_loss(program, *_chunks(arg))
+        elif name == CHUNKED_LOSS and _rows(arg):
+            program = chunk_loss(program, *_rows(arg))
         elif name == CHUNKED_ATTENTION and arg.isdigit():
             program = chunk_attention(program, int(arg))
+        elif retired_rewrite(spec):
+            raise NotApplicable(retired_rewrite(spec))
         else:
-            raise NotApplicable(f"unknown rewrite {spec!r}: expected {BATCHNORM_SPLIT}, {CHUNKED_LOSS}:K "
-                                f"(K chunks), {CHUNKED_LOSS}:K:late or {CHUNKED_ATTENTION}:K")
+            raise NotApplicable(f"unknown rewrite {spec!r}: expected {BATCHNORM_SPLIT}, {CHUNKED_LOSS}:R "
+                                f"(R rows a chunk), {CHUNKED_LOSS}:R:late or {CHUNKED_ATTENTION}:K")
     return program
 
 
-def _chunks(arg: str) -> tuple[int, bool] | None:
-    """(K, late) from "K" or "K:late"; None for anything else."""
+def _rows(arg: str) -> tuple[int, bool] | None:
+    """(R, late) from "R" or "R:late"; None for anything else."""
     k, _, late = arg.partition(":")
     return (int(k), bool(late)) if k.isdigit() and late in ("", "late") else None
 
@@ -77,29 +83,20 @@ def has_batchnorm(program: Program) -> bool:
     return bool(batchnorm_candidates(program))
 
 
-def chunk_choices(program: Program, smallest_rows: int = 16, most: int = 32) -> list[int]:
-    """The chunk counts worth trying for `program`'s LM head and loss, fewest
-    first: powers of two up to `most`, while each chunk keeps at least
-    `smallest_rows` rows (smaller chunks save little and run slowly, and
-    each chunk adds ops to plan); [] when there is no region to chunk."""
-    try:
-        rows = region(program).rows
-    except NotApplicable:
-        return []
-    out, k = [], 2
-    while rows // k >= smallest_rows and k <= most:
-        out.append(k)
-        k *= 2
-    return out
+def loss_rows_of(program: Program) -> int | None:
+    """The rows a chunk of the chunked loss takes on `program` (a scratch of
+    about 1 MiB); None when the rewrite does not apply or its rows make one
+    chunk.  One count: the chunks' rows change only the scratch, not what
+    is computed."""
+    return rows_of(program)
 
 
 def late_applies(program: Program) -> bool:
-    """Whether `chunked_loss:K:late` applies: the head's weight is tied."""
+    """Whether `lm_head_nll:R:late` applies: the head's weight is tied."""
     try:
         return tied(program)
     except NotApplicable:
         return False
-
 
 
 def describe(names: list[str]) -> str:
@@ -108,8 +105,8 @@ def describe(names: list[str]) -> str:
     for spec in names:
         name, _, arg = spec.partition(":")
         k, _, late = arg.partition(":")
-        words.append(f"LM head and loss in {k} chunks" + (
-                     ", the tied weight's head gradient made at the end of backward" if late else "")
+        words.append(f"cross-entropy in chunks of {k} rows (remat.lm_head_nll)" + (
+                     ", the tied weight's head gradient made again at the end of backward" if late else "")
                      if name == CHUNKED_LOSS
                      else f"attention in {arg} chunks" if name == CHUNKED_ATTENTION
                      else "BatchNorm split (running-stat update + recomputable normalization)"

@@ -51,6 +51,13 @@ class GraphEdit:
         self.taken.discard(name)
         return name
 
+    def restore(self, rename: dict[str, str]) -> None:
+        """Views of a value the rewrite renamed (old -> new name) view the
+        storage by its new name."""
+        for name, v in list(self.values.items()):
+            if v.storage in rename and v.name != v.storage:
+                self.values[name] = msgspec.structs.replace(v, storage=rename[v.storage])
+
     def fake(self, name: str) -> torch.Tensor:
         t = self.fakes.get(name)
         if t is None:
@@ -68,16 +75,23 @@ class GraphEdit:
         self.owners.setdefault(t.untyped_storage()._cdata, self.values[name].storage)
 
     def node(self, base: str, op: str, args: list, phase: str, module: str, *, mutates=(),
-             flops=None) -> Node:
+             flops=None, names: dict[int, str] | None = None) -> Node:
         """A new node named after `base` calling `op` on `args` (value names
-        as `Ref`s), with its output values declared; not yet placed."""
+        as `Ref`s), with its output values declared; not yet placed.
+        `names`: output index -> the name of that output (one `release`d,
+        which readers outside the region keep reading)."""
         name = self.unique(base)
         # (The op as written: an autocast the caller is in, wrap's first call
         # or its model check, must not cast it.)
         with autocast_off(), self.mode, fake_kernels(self._device_type()):  # as the tracer and checker run it
             out = resolve(op)(*[torch_arg(a, self.fake) for a in args])
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        names = [name] if len(outs) == 1 else [self.unique(f"{name}:{k}") for k in range(len(outs))]
+        given = names or {}
+        if len(outs) == 1:
+            names = [given.get(0) or name]
+        else:
+            names = [given.get(k) or self.unique(f"{name}:{k}") for k in range(len(outs))]
+        self.taken.update(names)
         for vname, t in zip(names, outs):
             owner = self.owners.get(t.untyped_storage()._cdata)
             self.values[vname] = Value(name=vname, kind=VALUE, dtype=str(t.dtype).removeprefix("torch."),

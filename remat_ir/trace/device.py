@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from remat_ir.ir.ops import (
-    device_problems, dropout_keep, dropout_scale, lm_head_nll, lm_head_nll_backward, nll_log_softmax_backward,
-)
+from remat_ir.ir.ops import device_problems, dropout_keep, dropout_scale, nll_log_softmax_backward
 
 # Device type -> the fusions proven bit-equal to eager there (tests/test_ops.py
 # checks CPU's).  A CUDA entry waits for a measurement on a GPU
@@ -218,117 +215,3 @@ def fuse_cross_entropy_backward(gm) -> None:
         g.erase_node(s)
         g.erase_node(n)
     g.lint()
-
-
-# The chunked loss's scratch buffer is about this size (a chunk's log-probabilities).
-LOSS_SCRATCH_BYTES = 1 << 20
-_MIN_LOSS_ROWS = 16  # matmul rows are checked bit-equal from 12 at a time (remat_ir/ir/ops.py)
-
-
-def loss_rows(n: int, vocab: int, itemsize: int) -> int:
-    """Rows per chunk of the chunked loss: a sixteenth of the rows, at most a
-    scratch of about LOSS_SCRATCH_BYTES, a multiple of 16 and at least 16."""
-    rows = min(n // 16, LOSS_SCRATCH_BYTES // max(1, vocab * itemsize))
-    return max(_MIN_LOSS_ROWS, rows // 16 * 16)
-
-
-_LOSS_VIEWS = ("view", "_unsafe_view", "reshape", "alias")
-
-
-def _cpu_2d(node) -> bool:
-    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return (isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 2 and v.is_contiguous()
-            and v.dtype.is_floating_point)
-
-
-def fuse_lm_head_loss(gm) -> str | None:
-    """Cross-entropy over 2-D logits, its backward already fused
-    (`remat.nll_log_softmax_backward`, see `fuse_cross_entropy_backward`),
-    becomes `remat.lm_head_nll` and `remat.lm_head_nll_backward`: the loss
-    over row chunks, no logits-sized tensor kept for backward, the same bits
-    (remat_ir/ir/ops.py).  When the logits are read by nothing else, the LM
-    head's matmul moves into both ops (backward computes the logits again);
-    else they read the logits.  A rewrite of the graph that recomputation
-    cannot make, so a caller applies it where recomputation alone does not
-    fit.  Returns what it did in words, or None when the graph has no such
-    loss.  CPU only, as the fused backward it starts from."""
-    aten = torch.ops.aten
-    g = gm.graph
-    for bwd in list(g.nodes):
-        if bwd.target is not nll_log_softmax_backward or bwd.kwargs or len(bwd.args) != 10:
-            continue
-        grad_output, lp, target, weight, reduction, ignore_index, total_weight, output, dim, input_dtype = bwd.args
-        detaches = []  # AOTAutograd reads a saved forward value through detach nodes
-        while output is not lp and output.target is aten.detach.default and len(output.users) == 1:
-            detaches.append(output)
-            output = output.args[0]
-        if lp is not output or weight is not None or reduction not in (1, 2):
-            continue
-        if not (lp.target is aten._log_softmax.default and lp.args[1] in (1, -1) and lp.args[2] is False
-                and _cpu_2d(lp.args[0])):
-            continue
-        if not (total_weight.target is operator.getitem and total_weight.args[1] == 1):
-            continue
-        nll = total_weight.args[0]
-        if not (nll.target is aten.nll_loss_forward.default and not nll.kwargs
-                and tuple(nll.args) == (lp, target, None, reduction, ignore_index)
-                and set(lp.users) == {nll, bwd, *detaches[-1:]}
-                and all(u.target is operator.getitem for u in nll.users)):
-            continue
-        logits = lp.args[0]
-        chain, v = [], logits
-        while (v.op == "call_function" and getattr(v.target, "__name__", "").split(".")[0] in _LOSS_VIEWS
-               and len(v.users) == 1):
-            chain.append(v)
-            v = v.args[0]
-        mm = v
-        if (len(logits.users) == 1 and len(mm.users) == 1 and not mm.kwargs and _cpu_2d(mm)
-                and mm.target in (aten.mm.default, aten.addmm.default)
-                and mm.meta["val"].shape == logits.meta["val"].shape):
-            bias, x, weight_t = (None, *mm.args) if mm.target is aten.mm.default else mm.args[:3]
-            dropped = [*chain, mm]
-        else:
-            x, weight_t, bias, dropped = logits, None, None, []
-        val = logits.meta["val"]
-        n, vocab = val.shape
-        rows = loss_rows(n, vocab, val.element_size())
-        if weight_t is not None:
-            d = x.meta["val"].shape[1]
-            flops = 2.0 * n * d * vocab + n * vocab  # the matmul, its bias, the log-softmax
-        else:
-            flops = float(n * vocab)
-
-        def node(at, fn, args, meta_from, fl):
-            with g.inserting_before(at):
-                new = g.call_function(fn, args)
-            # (not the program names an earlier reading of the graph marked it with)
-            new.meta = {k: v for k, v in meta_from.meta.items() if not k.startswith("remat_")}
-            fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-            with getattr(val, "fake_mode", None) or contextlib.nullcontext():
-                new.meta["val"] = fn(*fake)
-            new.meta["flops"] = fl
-            items = []
-            for k, item in enumerate(new.meta["val"]):
-                with g.inserting_after(items[-1] if items else new):
-                    it = g.call_function(operator.getitem, (new, k))
-                it.meta = dict(new.meta)
-                it.meta["val"] = item
-                it.meta.pop("flops", None)
-                items.append(it)
-            return items
-
-        f = node(nll, lm_head_nll, (x, weight_t, bias, target, reduction, ignore_index, rows), nll, flops)
-        for u in list(nll.users):
-            u.replace_all_uses_with(f[u.args[1]])
-            g.erase_node(u)
-        b = node(bwd, lm_head_nll_backward, (grad_output, x, weight_t, bias, target, reduction, ignore_index,
-                                            f[1], dim, input_dtype, rows), bwd, flops + n * vocab)
-        bwd.replace_all_uses_with(b[0])
-        for dead in (bwd, *detaches, nll, lp, *dropped):
-            g.erase_node(dead)
-        g.lint()
-        gm.recompile()
-        start = "the LM head's input" if weight_t is not None else "the logits"
-        return (f"cross-entropy over {n} rows in chunks of {rows} (remat.lm_head_nll), from {start}: "
-                f"no {n}x{vocab} tensor kept for backward, which computes the log-probabilities again")
-    return None

@@ -18,6 +18,8 @@ the backend (`remat_ir.torch_compile`) maps a plan back onto the graph.
 """
 from __future__ import annotations
 
+import contextlib
+import operator
 import re
 from dataclasses import dataclass
 
@@ -361,3 +363,113 @@ def _tangent_results(results, tangents) -> list[int]:
         else:
             diff.append(len(diff))
     return diff
+
+
+def follow_rewrites(joint: fx.GraphModule, before: Program, after: Program) -> None:
+    """Edit the joint graph `joint`, read as `before` (its fx nodes marked
+    with `before`'s names by `joint_program`), so that it computes `after`:
+    `before` with graph rewrites applied (`remat_ir.rewrite`), which keep
+    the name of every node they leave as it is.  A node of `after` that
+    `before` does not have (or has with another op or operands) becomes a
+    call of its op on the fx nodes of its operands, its fake value made by
+    running the op on theirs; a node `after` no longer has is erased; a
+    value the rewrite renamed (a node of both, with the same op, reading at
+    the same place a value only `before` has instead of one only `after`
+    has) is read by its new name.  Every new fx node is marked with
+    `after`'s names, so that a plan of `after` maps onto the graph."""
+    from torch._guards import detect_fake_mode
+
+    from remat_ir.ir import BACKWARD, FORWARD
+    from remat_ir.ir.ops import resolve, torch_arg
+    from remat_ir.ir.types import Ref, Seq
+
+    graph = joint.graph
+    by_node = {n.meta["remat_node"]: n for n in graph.nodes if "remat_node" in n.meta}
+    env = {n.meta["remat_value"]: n for n in graph.nodes if "remat_value" in n.meta}
+    old_nodes, old_values = before.node_map(), set(before.value_map())
+    new_values = set(after.value_map())
+
+    # Renames: a value only `before` has, read where `after` reads one only it has.
+    rename: dict[str, str] = {}
+
+    def pair(a, b) -> bool:
+        if isinstance(a, Ref) and isinstance(b, Ref):
+            if a.name == b.name:
+                return True
+            if a.name not in new_values and b.name not in old_values and rename.get(a.name, b.name) == b.name:
+                rename[a.name] = b.name
+                return True
+            return False
+        if isinstance(a, Seq) and isinstance(b, Seq):
+            return len(a.items) == len(b.items) and all([pair(x, y) for x, y in zip(a.items, b.items)])
+        return a == b
+
+    kept = set()
+    for n in after.nodes:
+        o = old_nodes.get(n.name)
+        if (o is not None and o.op == n.op and o.outputs == n.outputs and len(o.args) == len(n.args)
+                and o.kwargs.keys() == n.kwargs.keys() and all([pair(a, b) for a, b in zip(o.args, n.args)])
+                and all([pair(o.kwargs[k], n.kwargs[k]) for k in n.kwargs])
+                and [rename.get(m, m) for m in o.mutates] == n.mutates):
+            kept.add(n.name)
+    for kind in ("result", "grad"):
+        outs = {(o.kind, o.key): o.value for o in before.outputs if o.kind == kind}
+        for o in after.outputs:
+            was = outs.get((o.kind, o.key))
+            if was is not None and was != o.value:
+                rename.setdefault(was, o.value)
+
+    mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+    gone = [by_node[name] for name in old_nodes if name not in kept]
+    template = {phase: next((by_node[o.name].meta for o in before.nodes if o.name not in kept and o.phase == phase),
+                            {}) for phase in (FORWARD, BACKWARD)}
+    made: dict[str, fx.Node] = {}  # value name -> its new fx node
+    for n in after.nodes:
+        if n.name in kept:
+            continue
+        look = {**env, **made}
+        args = [torch_arg(a, lambda v: look[v]) for a in n.args]
+        kwargs = {k: torch_arg(a, lambda v: look[v]) for k, a in n.kwargs.items()}
+        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, fx.Node)]
+        order = {x: i for i, x in enumerate(graph.nodes)}
+        anchor = max(inputs, key=lambda x: order[x]) if inputs else \
+            [x for x in graph.nodes if x.op == "placeholder"][-1]
+        while anchor.next.target is operator.getitem and anchor.next.args[0] is anchor:
+            anchor = anchor.next  # (after the getitems of a call)
+        op = resolve(n.op)
+        with graph.inserting_after(anchor):
+            call = graph.call_function(op, tuple(args), kwargs)
+        fake = lambda x: x.meta["val"] if isinstance(x, fx.Node) else x  # noqa: E731
+        with mode if mode is not None else contextlib.nullcontext():
+            val = op(*pytree.tree_map(fake, args), **pytree.tree_map(fake, kwargs))
+        call.meta = {k: v for k, v in template[n.phase].items() if not k.startswith("remat_")}
+        call.meta.update(val=val, remat_node=n.name)
+        if isinstance(val, torch.Tensor):
+            call.meta["remat_value"] = n.outputs[0]
+            made[n.outputs[0]] = call
+            continue
+        last = call
+        for k, o in enumerate(n.outputs):
+            if not o:
+                continue
+            with graph.inserting_after(last):
+                item = graph.call_function(operator.getitem, (call, k))
+            item.meta = {**call.meta, "val": val[k], "remat_value": o}
+            item.meta.pop("remat_node")
+            made[o] = item
+            last = item
+    # Readers of a value made anew, or renamed, read the new fx node.
+    for name, node in made.items():
+        if name in env and env[name] is not node:
+            env[name].replace_all_uses_with(node)
+    for old, new in rename.items():
+        if old in env:
+            env[old].replace_all_uses_with(made.get(new) or env[new])
+    dead = set(gone)
+    for g in gone:
+        dead.update(u for u in g.users if u.target is operator.getitem)
+    for x in reversed(list(graph.nodes)):
+        if x in dead:
+            graph.erase_node(x)
+    graph.lint()
+    joint.recompile()
