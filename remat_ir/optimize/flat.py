@@ -16,12 +16,13 @@ from remat_ir.optimize.problem import Plan, Run
 
 
 class Overworked(Exception):
-    """The flat search passed its work limit (`Settings.flat_work`) on a
+    """The flat search passed its work limits (`Settings.flat_work`, ...) on a
     graph the decomposed search can plan; `best` is its least-peak plan so
     far (a floor search), or None."""
 
-    def __init__(self, best: Plan | None, work: int):
-        super().__init__(f"the flat search passed its work limit ({work:,} node x row units)")
+    def __init__(self, best: Plan | None, work: int, rows: int):
+        super().__init__(f"the flat search passed its work limit ({work:,} iteration x row units done, "
+                         f"{rows:,} rows next)")
         self.best = best
 
 
@@ -66,15 +67,15 @@ def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
             c.B.value = float(budget)
         rows = max(m.n_constraints, 1)
         limit = min(nodes, max(st.flat_round_work // rows, 1))
-        if blocks and work + limit * rows > st.flat_work:
+        if blocks and (work > st.flat_work or rows > st.flat_max_rows):
             run.memo.flat_overworked = True
-            raise Overworked(best, work + limit * rows)
-        work += limit * rows
+            raise Overworked(best, work, rows)
         kept, rec = run.solve(c, FLAT, what, round=rnd + 1, nodes=limit, rel_gap=st.flat_gap)
+        work += (rec.iterations if rec.iterations is not None else limit) * rows
         if kept is None:
             if blocks and limit < nodes and rec.status != "infeasible":
                 run.memo.flat_overworked = True  # (no plan within the work a round may do)
-                raise Overworked(best, work)
+                raise Overworked(best, work, rows)
             if nodes == st.round_nodes or rec.status == "infeasible":
                 return done(None)
             nodes = st.round_nodes  # no plan within the round's node limit: search further

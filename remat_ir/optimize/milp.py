@@ -95,6 +95,9 @@ class SolveRecord:
     variables: int = 0
     binaries: int = 0
     constraints: int = 0
+    # Simplex iterations the backend reports (HiGHS), a count that, unlike
+    # seconds, every machine reproduces; None: not reported.
+    iterations: int | None = None
 
     @property
     def name(self) -> str:
@@ -750,11 +753,13 @@ class Compiled:
                 status = status + " (fractional)"
         rec = SolveRecord(kind, subject, status, time.perf_counter() - t0, objv, gap, round=round,
                           rows=None if m.active is None else len(m.active), nodes=nodes,
-                          variables=m.ny + m.nx, binaries=m.ny, constraints=m.n_constraints)
+                          variables=m.ny + m.nx, binaries=m.ny, constraints=m.n_constraints,
+                          iterations=simplex_iterations(self.problem, solver))
         if log:
             g = "-" if gap is None else f"{gap:.2%}"
+            its = "" if rec.iterations is None else f", {rec.iterations} iterations"
             log(f"  {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s "
-                f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows)")
+                f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows{its})")
         return keep, rec
 
 
@@ -827,6 +832,17 @@ def has_solution(problem, solver: str) -> bool:
     except Exception:  # noqa: BLE001 - best effort: fall back to the caller's checks
         pass
     return True
+
+
+def simplex_iterations(problem, solver: str) -> int | None:
+    """The simplex iterations of the last solve (HiGHS), or None."""
+    try:
+        info = problem.solver_stats.extra_stats
+        if solver.upper() == "HIGHS" and info is not None:
+            return int(info.simplex_iteration_count)
+    except Exception:  # noqa: BLE001 - counts are best effort
+        return None
+    return None
 
 
 def mip_gap(problem, solver: str):

@@ -52,14 +52,16 @@ class Settings:
     # Proving the last fraction of a percent on chains of identical blocks
     # (symmetric decisions) can take a minute.
     flat_gap: float = 5e-3
-    # How much branch-and-bound one flat search may do, in node x constraint
-    # units (a round's node limit times its model's rows: the work of a
-    # node's LP grows with its rows).  A round's node limit shrinks to fit
-    # `flat_round_work`; past `flat_work` in all, a graph with blocks is
-    # planned block by block instead (the result says so).  Counts, not
-    # seconds: the same on every machine.
+    # How much one flat search may do, in counts every machine reproduces:
+    # a round's node limit shrinks so that nodes x the model's rows stays
+    # within `flat_round_work`; a round of more than `flat_max_rows` rows is
+    # not solved; and the rounds' simplex iterations x rows (HiGHS's count;
+    # other backends: nodes x rows) add up to at most `flat_work`.  Past
+    # any of them a graph with blocks is planned block by block instead
+    # (the plan's header says so).
     flat_round_work: int = 10_000_000
-    flat_work: int = 30_000_000
+    flat_max_rows: int = 16_000
+    flat_work: int = 150_000_000
     # Rows added per round: where the plan holds the most (docs/02-optimizer.md).
     floor_rows_per_round: int = 32
     budget_rows_per_round: int = 4

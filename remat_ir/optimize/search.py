@@ -98,8 +98,8 @@ def _result(run: Run, plan: Plan, budget: int | None, mode: str, t0: float) -> O
     # The result owns its graph: editing it must not change the input program.
     out = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=Program)
     if mode == "decomposed" and run.memo.flat_overworked:
-        out.header.comment.append(f"strategy: block by block, the flat search having passed its work limit "
-                                  f"({run.settings.flat_work:,} node x row units)")
+        out.header.comment.append("strategy: block by block, the flat search having passed its work limits "
+                                  "(remat_ir.optimize.problem.Settings.flat_work)")
     return OptimizeResult(
         program=out, predicted_peak=int(plan.peak), extra_cost=float(plan.cost), base_cost=p.base_cost,
         solves=list(run.solves), seconds=time.perf_counter() - t0, budget=budget, scope=p.scope, mode=mode,
