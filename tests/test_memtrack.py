@@ -204,3 +204,47 @@ def test_measure_step_cuda():
     assert sm.peak_above_baseline > 0
     expected = sum(p.nbytes for p in model.parameters()) * 2
     assert sum(v for k, v in sm.baseline_by_category.items() if k in ("params", "grads")) == expected
+
+
+def test_host_pool_is_counted_apart_from_the_device_pool():
+    """Storages allocated inside `host_pool()` (offloaded copies) are the
+    host pool's: never in live_bytes or peak_bytes; a copy into them, or a
+    view of them, allocates nothing; they are released when they die."""
+    from remat_ir.runtime.memtrack import host_pool
+
+    tk = StorageTracker()
+    with tk:
+        a = torch.randn(100)  # 400 B, device
+        with host_pool():
+            h = torch.empty(400, dtype=torch.uint8)  # 400 B, host
+        assert (tk.live_bytes, tk.host_live_bytes) == (400, 400)
+        h.copy_(torch.empty(0, dtype=torch.uint8).set_(a.untyped_storage()))
+        hv = h[:100]
+        assert (tk.live_bytes, tk.host_live_bytes) == (400, 400)
+        del a  # the device copy released: the host one stays
+        assert (tk.live_bytes, tk.host_live_bytes) == (0, 400)
+        b = torch.empty(400, dtype=torch.uint8)
+        b.copy_(h)  # back on the device, outside host_pool(): device bytes
+        assert (tk.live_bytes, tk.host_live_bytes) == (400, 400)
+        del h, hv
+        assert (tk.live_bytes, tk.host_live_bytes) == (400, 0)
+        del b
+    assert (tk.peak_bytes, tk.host_peak_bytes) == (400, 400)
+    tk.reset_peak()
+    assert (tk.peak_bytes, tk.host_peak_bytes) == (0, 0)
+
+
+def test_measure_step_reports_the_host_pool():
+    from remat_ir.runtime.memtrack import host_pool
+
+    def step():
+        x = torch.ones(64)  # 256 B on the device
+        with host_pool():
+            h = torch.empty(256, dtype=torch.uint8)
+        del x
+        y = torch.ones(32)  # 128 B
+        return h, y
+
+    m = measure_step(step)
+    assert (m.peak_above_baseline, m.host_peak_bytes) == (256, 256)
+    assert "host pool peak" in m.summary()

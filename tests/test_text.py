@@ -32,7 +32,8 @@ from remat_ir.ir.syntax import RirSyntaxError
 
 SEGMENTS = ["transformer", "h", "0", "11", "attn", "c_attn", "addmm", "ln_1", "weight", "bias", "d",
             "mlp", "native_layer_norm_backward", "idx", "x", "input", "value", "param", "graph",
-            "forward", "backward", "outputs", "values", "free", "compute", "_", "true", "none",
+            "forward", "backward", "outputs", "values", "free", "compute", "offload", "reload", "wait",
+            "host_budget", "_", "true", "none",
             "inf", "nan", "torch", "float32", "device", "view", "of", "bytes", "result", "grad", "é"]
 
 segment = st.sampled_from(SEGMENTS)
@@ -125,6 +126,7 @@ def programs(draw) -> Program:
         optim_state_bytes=draw(small_int),
         budget=draw(st.one_of(st.none(), st.builds(Budget, small_int,
                                                    st.sampled_from(["total", "activations"])))),
+        host_budget=draw(st.one_of(st.none(), small_int)),
         output_spec=draw(st.one_of(st.just(""), st.just('[1, {"type": null, "context": "null"}]'),
                                    any_text)),
         has_loss=draw(st.booleans()),
@@ -216,7 +218,8 @@ def programs(draw) -> Program:
     node_list = sorted(node_names)
 
     def instrs():
-        opts = [st.builds(Instr, st.just(ir.FREE), st.sampled_from(names))]
+        opts = [st.builds(Instr, st.sampled_from([ir.FREE, ir.FREE, ir.OFFLOAD, ir.RELOAD, ir.WAIT]),
+                          st.sampled_from(names))]
         if node_list:
             opts.append(st.builds(Instr, st.sampled_from([ir.COMPUTE, ir.RECOMPUTE]),
                                   st.sampled_from(node_list)))
@@ -374,6 +377,9 @@ class _ToProgram(lark.Transformer):
 
     def budget(self, c):
         return [("budget", Budget(int(c[0]), str(c[1].children[0])))]
+
+    def host_budget(self, c):
+        return [("host_budget", int(c[0]))]
 
     def has_loss(self, c):
         return [("has_loss", str(c[0].children[0]) == "true")]
@@ -547,6 +553,15 @@ class _ToProgram(lark.Transformer):
 
     def free(self, c):
         return Instr(ir.FREE, str(c[0]), c[0].line)
+
+    def offload(self, c):
+        return Instr(ir.OFFLOAD, str(c[0]), c[0].line)
+
+    def reload(self, c):
+        return Instr(ir.RELOAD, str(c[0]), c[0].line)
+
+    def wait(self, c):
+        return Instr(ir.WAIT, str(c[0]), c[0].line)
 
     def outputs(self, c):
         return c
@@ -733,6 +748,85 @@ def test_sample_text_reads_well():
     assert "  grad transformer.wte.weight = d.transformer.wte.weight" in t
     assert "dtype=torch.float32" in t
     assert strip_lines(parse_program(t)) == sample_program()
+
+
+def offload_sample() -> Program:
+    """The sample with the dropout mask offloaded to the host after forward
+    and reloaded for its backward use, and a host budget."""
+    p = sample_program()
+    mask = "transformer.drop.native_dropout:1"
+    p.forward[2:2] = [Instr(ir.OFFLOAD, mask)]
+    p.forward.append(Instr(ir.WAIT, mask))
+    p.backward[2:2] = [Instr(ir.RELOAD, mask), Instr(ir.WAIT, mask)]
+    p.header.host_budget = 16384
+    return p
+
+
+def test_offload_text_reads_well():
+    p = offload_sample()
+    t = format_program(p)
+    lines = t.split("\n")
+    at = lines.index("host_budget 16384 bytes                    # 16.0 KiB of host memory")
+    assert lines[at - 1].startswith("budget 3365000 bytes activations")
+    mask = "transformer.drop.native_dropout:1"
+    # One instruction a line, with what it moves: host bytes for the copy out, device bytes freed at its
+    # wait; device bytes for the copy back, host bytes freed at its wait.
+    got = [ln.split("#")[0].split() + [ln.split("#")[1].strip()] for ln in lines
+           if ln.split()[1:2] == [mask] and ln.split()[0] in ("offload", "reload", "wait")]
+    assert got == [["offload", mask, "host +16.0 KiB"], ["wait", mask, "-16.0 KiB"],
+                   ["reload", mask, "+16.0 KiB"], ["wait", mask, "host -16.0 KiB"]]
+    q = parse_program(t)
+    assert strip_lines(q) == p and format_program(q) == t
+    assert q.header.host_budget == 16384 and q.header.lines["host_budget"] == at + 1
+    assert read_as_lark_does(t) == q
+    assert [(i.kind, i.target) for i in q.backward[2:4]] == [(ir.RELOAD, mask), (ir.WAIT, mask)]
+    # Freed while on the host: its host buffer.
+    p.forward[-1:] = [Instr(ir.WAIT, mask), Instr(ir.FREE, mask)]
+    p.backward[2:4] = []
+    p.backward[-1:] = []
+    assert "  free      transformer.drop.native_dropout:1   # host -16.0 KiB" in format_program(p)
+
+
+def test_plans_without_offload_print_as_before():
+    """The canonical plans of the repository print back to themselves, and
+    a plan without offload has no host_budget line and no new instruction."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for rel in ("schedules/gpt2-tiny.rir", "schedules/gpt2-tiny.budget-0.7.rir", "schedules/mlp.rir",
+                "tests/plans/mlp-batch.rir", "tests/plans/pinned-result-view.rir"):
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            t = f.read()
+        p = parse_program(t, rel)
+        assert p.header.host_budget is None and format_program(p) == t, rel
+        assert not any(i.kind in ir.TRANSFER_INSTRS for i in p.forward + p.backward)
+
+
+@pytest.mark.parametrize("kind", [ir.OFFLOAD, ir.RELOAD, ir.WAIT])
+def test_offload_instructions_name_declared_values(kind):
+    t = format_program(sample_program())
+    lines = t.split("\n")
+    i = _index(lines, "  free      transformer.drop.view")
+    for target, msg in (("transformer.drop.veiw", f"{kind} of unknown value `transformer.drop.veiw`; did you "
+                                                  f"mean `transformer.drop.view`?"),
+                        ("loss.n", f"{kind} of unknown value `loss.n`"),
+                        ("transformer.wte.embedding", None)):
+        lines2 = list(lines)
+        lines2[i] = f"  {kind}  {target}"
+        if msg is None:
+            assert parse_program("\n".join(lines2)).forward[5] == Instr(kind, target, i + 1)
+            continue
+        e = _err("\n".join(lines2))
+        assert (e.line, e.column) == (i + 1, 5 + len(kind)) and e.message.startswith(msg), e
+    # A node is not a value: the instruction names the node's outputs.
+    p = sample_program()
+    p.nodes[0].name = "embed"
+    p.forward[0].target = "embed"
+    p.backward[0].target = "embed"
+    t = format_program(p).replace("  free      transformer.wte.embedding", f"  {kind} embed", 1)
+    assert f"{kind} of unknown value `embed` (that is a node; {kind} its outputs)" in str(_err(t))
+    # In the schedule, an unknown word lists the instructions.
+    e = _err(format_program(sample_program()).replace("  free      transformer.drop.view", "  offlaod x", 1))
+    assert "`compute`, `recompute`, `free`, `offload`, `reload`, `wait` or `backward`" in e.message
+    assert "did you mean `offload`?" in e.message
 
 
 def test_profiled_costs_print_and_read_back():
@@ -1093,6 +1187,20 @@ CORNERS = [
     ("has_loss true", "has_losstrue", False),
     ("budget ", "budget 7bytes total", True),
     ("budget ", "budget 7 bytes", False),
+    # Offload: the host budget and the copy instructions.
+    ("budget ", "budget 7 bytes total\nhost_budget 64 bytes", True),
+    ("budget ", "budget 7 bytes total\nhost_budget 64", False),
+    ("budget ", "budget 7 bytes total\nhost_budget $B bytes", False),
+    ("budget ", "host_budget 64 bytes\nbudget 7 bytes total", False),  # order
+    ("budget ", "budget 7 bytes total\nhost_budget64 bytes", False),
+    ("  free      transformer.drop.view", "  offload transformer.drop.view", True),
+    ("  free      transformer.drop.view", "  reload %\"transformer.drop.view\"", True),
+    ("  free      transformer.drop.view", "  wait transformer.drop.view  # the copy", True),
+    ("  free      transformer.drop.view", "  waittransformer.drop.view", False),
+    ("  free      transformer.drop.view", "  wait", False),
+    ("  free      transformer.drop.view", "  offload transformer.drop.view transformer.drop.view", False),
+    ("  free      transformer.drop.view", "  offload nosuchvalue", None),  # lark reads it; never declared
+    ("  idx ", "  wait input i64[2,64] 1024 bytes source idx", None),  # a name there; but never used
     ("  result 0", "  result -0 = loss", True),
     ("  result 0", "  result \"k\"=loss", True),
     ("  result 0", "  result 1.5 = loss", False),

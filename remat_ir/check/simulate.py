@@ -24,14 +24,47 @@ interpreter and autograd do at run time:
   temporaries, from its allocation.
 
 The peak is taken after each allocation, before the frees that follow.
+
+Offload: two pools.  Everything above is the *device* pool, and every peak,
+category and budget scope is of device bytes.  The *host* pool holds the
+host copies of offloaded values (`MemoryReport.host_peak_bytes`,
+`Event.host`).  The instructions, each naming a value V:
+
+* V must own its storage (not a view), be made by a node (not an input,
+  parameter, buffer or tangent), and be neither a forward result nor a
+  gradient output;
+* `offload V` (V live on the device, no copy of it in flight): starts copying
+  V's storage to the host.  A host buffer of V's storage bytes is allocated
+  now.  V's device storage stays allocated and V stays readable until the
+  matching `wait V`; nothing may write V's storage (in place, or `out=`)
+  while the copy is in flight;
+* `wait V` after an offload: the copy is done and V's device storage is
+  released.  V is now on the host: neither V nor any view of its storage may
+  be read until it is reloaded, and no other live value may alias V's
+  storage at this wait (a live view would keep the device storage alive);
+* `reload V` (V on the host, its offload waited): allocates V's storage bytes
+  on the device now (a fresh storage of the same shape, strides and dtype)
+  and starts the copy back; V is not readable until its `wait V`;
+* `wait V` after a reload: V is on the device and readable again; its host
+  buffer is released;
+* `free V` while V is on the host releases its host buffer; a `free` of a
+  value whose copy is in flight is refused;
+* a producer's `recompute` while its output is on the host or its copy in
+  flight is refused; at the end of backward no copy may be in flight and no
+  value left on the host (the verifier's rules).
+
+Device bytes move at `wait` after an offload (released) and at `reload`
+(allocated); host bytes at `offload` (allocated) and at `wait` after a reload
+or `free` on the host (released).  The timeline has a point after each
+offload, reload and wait.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from remat_ir.ir import (
-    BACKWARD, BUFFER, COMPUTE, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
-    DTYPE_BYTES, Program, hand_overs, node_inputs,
+    BACKWARD, BUFFER, COMPUTE, FREE, GRAD, INPUT, OFFLOAD, PARAM, RECOMPUTE, RELOAD, RESULT, TANGENT, VALUE,
+    WAIT, DTYPE_BYTES, Program, hand_overs, node_inputs,
 )
 from remat_ir.ir.budgets import budget_int, parse_budget
 from remat_ir.ir.schedule import default_schedule
@@ -63,8 +96,9 @@ class Event:
     phase: str  # "forward", "backward", or "start"
     index: int  # index into that phase's instruction list (-1 for start points)
     line: int
-    total: int  # live bytes at this point
+    total: int  # live device bytes at this point
     by_category: dict[str, int]
+    host: int = 0  # bytes of the host pool (offloaded copies) at this point
 
 
 @dataclass
@@ -77,6 +111,9 @@ class MemoryReport:
     top: list[tuple[str, int]]  # storages live at the peak, largest first
     timeline: list[Event] = field(repr=False, default_factory=list)
     peak_step: int = 0  # how many timeline points precede the peak (internal)
+    host_peak_bytes: int = 0  # max over time of the host pool's bytes (offloaded copies)
+    host_peak: Event | None = None  # where it is first reached (None: nothing is offloaded)
+    offloads: int = 0  # how many `offload` instructions the schedule has
 
     @property
     def baseline_bytes(self) -> int:
@@ -142,6 +179,12 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
     storage_cat: dict[str, str] = {}
     refs: dict[str, int] = {}  # live storage -> number of live values aliasing it
     live: set[str] = set()
+    # Offload (see the module docstring): the copy of each value in flight,
+    # the values on the host, and the host pool's buffers.
+    copying: dict[str, str] = {}  # value -> OFFLOAD or RELOAD
+    on_host: set[str] = set()
+    host_buffers: dict[str, int] = {}  # value -> bytes of its host buffer
+    host_now = 0
 
     def alloc(storage: str, nbytes: int, cat: str) -> None:
         storage_bytes[storage] = nbytes
@@ -156,6 +199,8 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
         v = values[name]
         if name in live:
             raise SimulationError(f"{name} is computed while live")
+        if name in on_host or name in copying:
+            raise SimulationError(f"{name} is computed while offloaded to the host")
         if v.storage == v.name:
             alloc(v.storage, v.nbytes, category[name])
         elif v.storage not in storage_bytes:
@@ -187,25 +232,71 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
     timeline: list[Event] = []
     best = Event("start", -1, 0, sum(cat_bytes.values()), dict(cat_bytes))
     best_act = Event("start", -1, 0, 0, dict(cat_bytes))
+    best_host: Event | None = None
     step_no = 0
     peak_step = -1
+    n_offloads = 0
 
     def record(phase: str, index: int, line: int) -> None:
-        nonlocal best, best_act, step_no, peak_step
+        nonlocal best, best_act, best_host, step_no, peak_step
         step_no += 1
         if step_no == stop_at:
             raise _Stop(dict(storage_bytes))
         total = sum(cat_bytes.values())
         act = cat_bytes[ACTIVATIONS] + cat_bytes[TEMPORARIES]
-        if keep_timeline or total > best.total or act > best_act.total:
-            ev = Event(phase, index, line, total, dict(cat_bytes))
+        host_more = host_now > (best_host.host if best_host is not None else 0)
+        if keep_timeline or total > best.total or act > best_act.total or host_more:
+            ev = Event(phase, index, line, total, dict(cat_bytes), host_now)
             if keep_timeline:
                 timeline.append(ev)
             if total > best.total:
                 best = ev
                 peak_step = step_no
             if act > best_act.total:
-                best_act = Event(phase, index, line, act, dict(cat_bytes))
+                best_act = Event(phase, index, line, act, dict(cat_bytes), host_now)
+            if host_more:
+                best_host = ev
+
+    def offload(name: str) -> None:
+        nonlocal host_now
+        v = values.get(name)
+        if v is None or v.kind != VALUE or v.storage != name:
+            raise SimulationError(f"{name} is offloaded but is no value owning its storage")
+        if name in copying or name in on_host:
+            raise SimulationError(f"{name} is offloaded while already offloaded")
+        if name not in live:
+            raise SimulationError(f"{name} is offloaded while not live")
+        host_buffers[name] = v.nbytes
+        host_now += v.nbytes
+        copying[name] = OFFLOAD
+
+    def reload(name: str) -> None:
+        if name not in on_host:
+            raise SimulationError(f"{name} is reloaded while not on the host")
+        on_host.discard(name)
+        v = values[name]
+        alloc(v.storage, v.nbytes, category[name])
+        copying[name] = RELOAD
+
+    def wait(name: str) -> None:
+        nonlocal host_now
+        kind = copying.pop(name, None)
+        if kind is None:
+            raise SimulationError(f"wait {name}: no copy of {name} is in flight")
+        if kind == OFFLOAD:
+            if refs.get(name, 0) != 1:
+                raise SimulationError(f"wait {name}: another live value aliases its storage")
+            drop(name)
+            on_host.add(name)
+        else:
+            live.add(name)
+            refs[name] = 1
+            host_now -= host_buffers.pop(name)
+
+    def free_host(name: str) -> None:
+        nonlocal host_now
+        on_host.discard(name)
+        host_now -= host_buffers.pop(name)
 
     if stop_at == 0:
         raise _Stop(dict(storage_bytes))
@@ -237,7 +328,24 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
             elif ins.kind == FREE:
                 if ins.target in results:
                     raise SimulationError(f"{ins.target} is a forward result; the caller holds it")
-                drop(ins.target)
+                if ins.target in copying:
+                    raise SimulationError(f"{ins.target} is freed while its copy is in flight")
+                if ins.target in on_host:
+                    free_host(ins.target)
+                else:
+                    drop(ins.target)
+            elif ins.kind in (OFFLOAD, RELOAD, WAIT):
+                if ins.target in results or ins.target in grad_of:
+                    raise SimulationError(f"{ins.target} is a forward result or a gradient output; it cannot "
+                                          "be offloaded")
+                if ins.kind == OFFLOAD:
+                    offload(ins.target)
+                    n_offloads += 1
+                elif ins.kind == RELOAD:
+                    reload(ins.target)
+                else:
+                    wait(ins.target)
+                record(phase, i, ins.line)
             else:
                 raise SimulationError(f"unknown instruction {ins.kind}")
 
@@ -245,6 +353,8 @@ def _play(program: Program, grads_present: bool, optim_state_bytes: int | None, 
         peak_bytes=best.total, peak=best, baseline=baseline,
         activation_peak_bytes=best_act.total, activation_peak=best_act,
         top=[], timeline=timeline, peak_step=max(peak_step, 0),
+        host_peak_bytes=best_host.host if best_host is not None else 0, host_peak=best_host,
+        offloads=n_offloads,
     )
 
 

@@ -58,8 +58,19 @@ The rules (the runtime semantics the interpreter and autograd implement):
   for computed (`remat_ir.check.rewritten`: a chunked loss covers every row
   once and sums every chunk once; a BatchNorm split updates the running
   statistics once and normalizes purely);
+* offload (the semantics: `remat_ir.check.simulate`): `offload V`,
+  `reload V` and `wait V` name a value that owns its storage, made by a node,
+  neither a forward result nor a gradient output; an offload needs V live on
+  the device with no copy of it in flight, a reload needs V on the host (its
+  offload waited), a wait needs a copy of V in flight; after an offload's
+  wait no other live value may alias V's storage; nothing writes V's storage
+  while its copy to the host is in flight; V is not read while on the host or
+  while its reload is in flight; its producer is not recomputed while V is
+  offloaded; `free V` on the host drops its host copy; at the end of backward
+  no copy is in flight and no value is left on the host;
 * with a budget in the header, the simulated peak (steady state and first
-  step, whichever is larger) in the budget's scope fits it.
+  step, whichever is larger) in the budget's scope fits it; with a
+  `host_budget`, so does the host pool's peak (offloaded copies).
 """
 from __future__ import annotations
 
@@ -67,8 +78,9 @@ import difflib
 from dataclasses import dataclass, field
 
 from remat_ir.ir import (
-    BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, PARAM, RECOMPUTE,
-    RESULT, TANGENT, VALUE, VALUE_KINDS, Node, Program, arg_depth, hand_overs, node_inputs,
+    BACKWARD, BUFFER, COMPUTE, DTYPE_BYTES, FORWARD, FREE, GRAD, INPUT, MAX_NESTING, OFFLOAD, PARAM, RECOMPUTE,
+    RELOAD, RESULT, TANGENT, TRANSFER_INSTRS, VALUE, VALUE_KINDS, WAIT, Node, Program, arg_depth, hand_overs,
+    node_inputs,
 )
 from remat_ir.ir import sizes as sz
 from remat_ir.ir.printer import human_bytes
@@ -153,6 +165,12 @@ def _where(loc: Loc) -> str:
     return f"{section}[{index}]"
 
 
+def _after(a: Loc, b: Loc) -> bool:
+    """Whether schedule location `a` comes after `b`."""
+    rank = {"forward": 0, "backward": 1}
+    return (rank.get(a[0], 2), a[1]) > (rank.get(b[0], 2), b[1])
+
+
 def needed_bytes(shape: list[int], stride: list[int], dtype: str) -> int:
     """Bytes a tensor of this shape and stride spans from its storage offset."""
     if any(d == 0 for d in shape):
@@ -213,6 +231,7 @@ def _verify_concrete(program: Program, max_errors: int, graph: bool) -> Verdict:
                                         f"accepted ({e}); this is a bug in remat-ir"))
         else:
             v.check_budget(report, first)
+            v.check_host_budget(report)
     _sort(errors)
     omitted = max(0, len(errors) - max_errors)
     return Verdict(ok=not errors, errors=errors[:max_errors], report=report,
@@ -430,6 +449,9 @@ class _Verifier:
                                      "'activations'")
             if not _is_int(h.budget.bytes) or h.budget.bytes < 0:
                 self.err(budget_loc, f"budget of {h.budget.bytes!r} bytes is not a non-negative integer")
+        if h.host_budget is not None and (not _is_int(h.host_budget) or h.host_budget < 0):
+            self.err(("header", -1, h.lines.get("host_budget", 0)),
+                     f"host budget of {h.host_budget!r} bytes is not a non-negative integer")
 
         seen: set[str] = set()
         for i, val in enumerate(p.values):
@@ -611,6 +633,18 @@ class _Verifier:
         self.inst_ran: dict[int, dict[str, tuple[int, Loc]]] = {}  # instance -> mutator -> (t, loc)
         self.reported_refs: set[str] = set()  # nodes whose undeclared names were reported
         self.made_at: dict[str, Loc] = {}  # value -> where its current lifetime began
+        # Offload: the copy of each value in flight (OFFLOAD or RELOAD, where it
+        # started), the values on the host (where offloaded, where waited), and
+        # the storage instance each left on the device (a reload's data is the
+        # same data, in-place updates included).
+        self.copying: dict[str, tuple[str, Loc]] = {}
+        self.on_host: dict[str, tuple[Loc, Loc]] = {}
+        self.host_inst: dict[str, int | None] = {}
+        self.reloads: dict[str, list[Loc]] = {}  # value -> every `reload` of it, in order
+        for section, instrs in (("forward", p.forward), ("backward", p.backward)):
+            for i, ins in enumerate(instrs):
+                if ins.kind == RELOAD:
+                    self.reloads.setdefault(ins.target, []).append((section, i, ins.line))
 
         # Where each node is first `compute`d, for messages about order.
         self.first_compute: dict[str, Loc] = {}
@@ -637,17 +671,23 @@ class _Verifier:
                     self._exec_node(ins.kind, ins.target, loc, t)
                 elif ins.kind == FREE:
                     self._exec_free(ins.target, loc)
+                elif ins.kind in TRANSFER_INSTRS:
+                    self._exec_transfer(ins.kind, ins.target, loc)
                 else:
                     self.err(loc, f"unknown instruction {ins.kind!r} {ins.target}; expected compute, "
-                                  f"recompute or free")
+                                  f"recompute, free, offload, reload or wait")
         self._end_of_backward()
 
     # state changes
 
-    def _make_live(self, name: str, loc: Loc, phantom: bool = False) -> None:
+    def _make_live(self, name: str, loc: Loc, phantom: bool = False, instance: int | None = None) -> None:
+        """`name` live from `loc`; `instance`: the storage instance it holds
+        again (a reload), else a new one when its storage was not live."""
         self.live.add(name)
         s = self.values[name].storage
-        if self.srefs.get(s, 0) <= 0:  # a new allocation
+        if instance is not None:
+            self.inst[s] = instance
+        elif self.srefs.get(s, 0) <= 0:  # a new allocation
             self.n_inst += 1
             self.inst[s] = self.n_inst
         self.srefs[s] = self.srefs.get(s, 0) + 1
@@ -736,6 +776,10 @@ class _Verifier:
                          + self._did_you_mean(r, values))
                 ok = False
                 continue
+            if r in self.on_host or self.copying.get(r, ("",))[0] == RELOAD:
+                self.err(loc, self._host_read(verb, name, r, loc))
+                ok = False
+                continue  # (still on the host: a later reload finds it there)
             if r not in self.live:
                 self.err(loc, self._dead_read(verb, name, r, loc))
                 ok = False
@@ -748,11 +792,31 @@ class _Verifier:
                     self.err(loc, msg)
                     ok = False
 
+        # Nothing writes a storage while its copy to the host is in flight.
+        for m in node.mutates:
+            s = values[m].storage if m in values else None
+            if s in self.copying and self.copying[s][0] == OFFLOAD:
+                alias = "" if s == m else f" (a view of {s})"
+                self.err(loc, f"{verb} {name} writes {m}{alias} in place while the copy of {s} to the host "
+                              f"(offload at {_where(self.copying[s][1])}) is in flight, so the host copy could "
+                              f"hold either data; move `wait {s}` before {_where(loc)}")
+                ok = False
+
         # Outputs must be dead before a node runs again (a repeated `compute`
         # was reported above already).
+        offloaded: set[str] = set()
         if verb == RECOMPUTE:
             for o in outs:
                 if o not in values:
+                    continue
+                if o in self.on_host or o in self.copying:
+                    at = self.copying[o][1] if o in self.copying else self.on_host[o][0]
+                    state = "on its way to the host" if self.copying.get(o, ("",))[0] == OFFLOAD else \
+                        "being reloaded" if o in self.copying else "on the host"
+                    self.err(loc, f"{verb} {name}: its output {o} is {state} (offloaded at {_where(at)}); "
+                                  f"reload {o} instead of recomputing it, or free {o} before this {verb}")
+                    offloaded.add(o)
+                    ok = False
                     continue
                 if o in self.live:
                     self.err(loc, f"{verb} {name}: its output {o} is still live (made at "
@@ -767,7 +831,7 @@ class _Verifier:
 
         # Outputs become live.
         for o in outs:
-            if o not in values or o in self.live:
+            if o not in values or o in self.live or o in offloaded:
                 continue
             s = values[o].storage
             if s != o and s in values and self.srefs.get(s, 0) <= 0:
@@ -903,6 +967,16 @@ class _Verifier:
                 msg += f", handed to autograd right after {_where(self.handed_at[name])}"
             self.err(loc, msg + "; autograd takes it, remove this free")
             return
+        if name in self.copying:
+            kind, at = self.copying[name]
+            self.err(loc, f"free {name}: the copy of {name} {'to' if kind == OFFLOAD else 'from'} the host "
+                          f"({kind} at {_where(at)}) is in flight; add `wait {name}` before this free")
+            return
+        if name in self.on_host:  # its host copy is dropped
+            del self.on_host[name]
+            self.host_inst.pop(name, None)
+            self.freed_at[name] = loc
+            return
         if name not in self.live:
             if name in self.freed_at:
                 self.err(loc, f"free {name}: {name} was already freed at {_where(self.freed_at[name])} "
@@ -928,6 +1002,139 @@ class _Verifier:
         self._drop(name)
         self.freed_at[name] = loc
 
+    # offload
+
+    def _not_offloadable(self, name: str) -> str:
+        """Why `name` can never be offloaded, or ""."""
+        val = self.values[name]
+        if val.kind in GRAPH_INPUT_KINDS or val.kind == TANGENT:
+            what = {PARAM: "a parameter", INPUT: "an input"}.get(val.kind, f"a {val.kind}")
+            return (f"{name} is {what}; only a value a node makes can be offloaded"
+                    + ("" if val.kind == TANGENT else " (graph inputs live across steps)"))
+        if val.storage != name:
+            return (f"{name} is a view of {val.storage}; offload the value that owns the storage, "
+                    f"{val.storage}, at a point where no view of it is live")
+        if name in self.results:
+            return f"{name} is forward result {self.results[name]}, which the caller holds; it cannot be offloaded"
+        if name in self.grad_of:
+            return (f"{name} is the gradient of {', '.join(self.grad_of[name])}, which autograd takes; it "
+                    f"cannot be offloaded")
+        return ""
+
+    def _exec_transfer(self, kind: str, name: str, loc: Loc) -> None:
+        values = self.values
+        if name not in values:
+            msg = f"{kind} {name}: no value is named {name}"
+            node = self.nodes.get(name)
+            if node is not None:
+                outs = [o for o in node.outputs if o]
+                msg += f"; {name} is a node, {kind} its outputs ({', '.join(outs) or 'none'})"
+            else:
+                msg += self._did_you_mean(name, values)
+            self.err(loc, msg)
+            return
+        why = self._not_offloadable(name)
+        if why:
+            self.err(loc, f"{kind} {name}: {why}")
+            return
+        self.last_touch[name] = loc
+        if kind == OFFLOAD:
+            self._exec_offload(name, loc)
+        elif kind == RELOAD:
+            self._exec_reload(name, loc)
+        else:
+            self._exec_wait(name, loc)
+
+    def _exec_offload(self, name: str, loc: Loc) -> None:
+        if name in self.copying:
+            kind, at = self.copying[name]
+            if kind == OFFLOAD:
+                self.err(loc, f"offload {name}: {name} is already being copied to the host (offload at "
+                              f"{_where(at)}; double offload); remove one of the two offloads")
+            else:
+                self.err(loc, f"offload {name}: {name} is being reloaded (reload at {_where(at)}); add "
+                              f"`wait {name}` before offloading it again")
+            return
+        if name in self.on_host:
+            off, at = self.on_host[name]
+            self.err(loc, f"offload {name}: {name} is already on the host (offloaded at {_where(off)}, "
+                          f"waited at {_where(at)}; double offload); remove this offload, or reload {name} "
+                          f"(`reload {name}`, `wait {name}`) before it")
+            return
+        if name not in self.live:
+            if name in self.freed_at:
+                why = f"it was freed at {_where(self.freed_at[name])}"
+            elif self.producer.get(name) is not None and self.producer[name].name not in self.computed_at:
+                why = f"its producer {self.producer[name].name} is not computed yet"
+            else:
+                why = "it is not live here"
+            self.err(loc, f"offload {name}: {name} is not on the device ({why}); offload a value while it "
+                          f"is live")
+            return
+        self.copying[name] = (OFFLOAD, loc)
+
+    def _exec_reload(self, name: str, loc: Loc) -> None:
+        if name in self.on_host:
+            del self.on_host[name]
+            self.copying[name] = (RELOAD, loc)
+            return
+        if name in self.copying:
+            kind, at = self.copying[name]
+            if kind == OFFLOAD:
+                self.err(loc, f"reload {name}: the copy of {name} to the host (offload at {_where(at)}) is "
+                              f"not waited; add `wait {name}` before this reload")
+            else:
+                self.err(loc, f"reload {name}: {name} is already being reloaded (reload at {_where(at)}); "
+                              f"remove one of the two reloads")
+            return
+        if name in self.live:
+            self.err(loc, f"reload {name}: {name} is on the device, not on the host; remove this reload, "
+                          f"or `offload {name}` and `wait {name}` before it")
+        elif name in self.freed_at:
+            self.err(loc, f"reload {name}: {name} was freed at {_where(self.freed_at[name])}, so no copy of "
+                          f"it is on the host; move that free after this reload's use")
+        else:
+            self.err(loc, f"reload {name}: {name} is not on the host (it was never offloaded here); "
+                          f"`offload {name}` and `wait {name}` before this reload")
+
+    def _exec_wait(self, name: str, loc: Loc) -> None:
+        got = self.copying.pop(name, None)
+        if got is None:
+            if name in self.on_host:
+                off, at = self.on_host[name]
+                self.err(loc, f"wait {name}: no copy of {name} is in flight: its offload at {_where(off)} "
+                              f"was waited at {_where(at)}; remove this wait")
+            else:
+                self.err(loc, f"wait {name}: no copy of {name} is in flight here; a wait ends the copy "
+                              f"that an `offload {name}` or a `reload {name}` before it started: add one, or "
+                              f"remove this wait")
+            return
+        kind, at = got
+        if kind == OFFLOAD:
+            holders = sorted(x for x in self.live if x != name and self.values[x].storage == name)
+            if holders:
+                more = f" (and {len(holders) - 3} more)" if len(holders) > 3 else ""
+                self.err(loc, f"wait {name}: live view(s) {', '.join(holders[:3])}{more} of {name}'s storage "
+                              f"would keep its device memory once {name} is on the host; free them before "
+                              f"this wait")
+            self.host_inst[name] = self.inst.get(name)
+            self._drop(name)
+            self.on_host[name] = (at, loc)
+        else:
+            self._make_live(name, loc, instance=self.host_inst.pop(name, None))
+
+    def _host_read(self, verb: str, name: str, r: str, loc: Loc) -> str:
+        """Why node `name` cannot read `r` here: it is on the host, or its reload is in flight."""
+        head = f"{verb} {name} reads {r}"
+        if r in self.copying:
+            return (f"{head} while its reload (at {_where(self.copying[r][1])}) is in flight; add `wait {r}` "
+                    f"before {_where(loc)}")
+        off, at = self.on_host[r]
+        later = [x for x in self.reloads.get(r, ()) if _after(x, loc)]
+        fix = (f"move `reload {r}` (at {_where(later[0])}) and its `wait {r}` before {_where(loc)}" if later
+               else f"add `reload {r}` and `wait {r}` before {_where(loc)}")
+        return f"{head}, which is on the host here (offloaded at {_where(off)}, waited at {_where(at)}); {fix}"
+
     # section ends
 
     def _end_of_forward(self) -> None:
@@ -942,6 +1149,12 @@ class _Verifier:
 
     def _end_of_backward(self) -> None:
         p = self.p
+        for name, (kind, at) in self.copying.items():
+            self.err(at, f"{kind} {name}: this copy is never waited, and no copy may be in flight when the "
+                         f"step ends; add `wait {name}` after it")
+        for name, (off, at) in self.on_host.items():
+            self.err(at, f"{name} is left on the host at the end of backward (offloaded at {_where(off)}); "
+                         f"`free {name}` (on the host) after its last use, or reload it before one")
         for i, n in enumerate(p.nodes):
             if n.name not in self.computed_at and n.name in self.nodes and self.nodes[n.name] is n:
                 sec = f"the {n.phase} section" if n.phase in (FORWARD, BACKWARD) else "the schedule"
@@ -949,8 +1162,8 @@ class _Verifier:
                                           f"to {sec}")
         for name in sorted(self.live):
             val = self.values[name]
-            if val.kind in GRAPH_INPUT_KINDS or name in self.results or name in self.phantom:
-                continue
+            if val.kind in GRAPH_INPUT_KINDS or name in self.results or name in self.phantom or name in self.copying:
+                continue  # (a copy in flight: said above)
             loc = self.last_touch.get(name, ("backward", -1, 0))
             if loc[1] < 0:
                 what = f"{'tangent ' if val.kind == TANGENT else ''}{name} is never freed (leak); add " \
@@ -1005,12 +1218,52 @@ class _Verifier:
             + "; free or recompute values live across that point, or raise the budget",
             section, index))
 
+    def check_host_budget(self, report: MemoryReport) -> None:
+        """The host pool's peak (offloaded copies) within the header's `host_budget`."""
+        limit = self.p.header.host_budget
+        if limit is None or not _is_int(limit) or report.host_peak_bytes <= limit:
+            return
+        ev = report.host_peak
+        peak = report.host_peak_bytes
+        instrs = self.p.forward if ev.phase == "forward" else self.p.backward
+        ins = instrs[ev.index]
+        held = self._host_copies(ev.phase, ev.index)
+        self.errors.append(Diagnostic(
+            ev.line,
+            f"host memory of offloaded copies {human_bytes(peak)} ({peak} B) exceeds the host budget of "
+            f"{human_bytes(limit)} ({limit} B) by {human_bytes(peak - limit)} at "
+            f"{_where((ev.phase, ev.index, ev.line))} ({ins.kind} {ins.target}); copies held there: "
+            + ", ".join(f"{n} {human_bytes(self.values[n].nbytes)}" for n in held[:5])
+            + "; reload or free offloaded values sooner, offload fewer, or raise the host budget",
+            ev.phase, ev.index))
+
+    def _host_copies(self, section: str, index: int) -> list[str]:
+        """Values with a host copy right after instruction `index` of `section`, largest first."""
+        held: dict[str, None] = {}
+        reloading: set[str] = set()
+        for sec, instrs in (("forward", self.p.forward), ("backward", self.p.backward)):
+            for i, ins in enumerate(instrs):
+                if ins.kind == OFFLOAD:
+                    held[ins.target] = None
+                elif ins.kind == RELOAD:
+                    reloading.add(ins.target)
+                elif ins.kind == WAIT and ins.target in reloading:
+                    reloading.discard(ins.target)
+                    held.pop(ins.target, None)
+                elif ins.kind == FREE:
+                    held.pop(ins.target, None)
+                if sec == section and i == index:
+                    return sorted(held, key=lambda n: -self.values[n].nbytes)
+        return sorted(held, key=lambda n: -self.values[n].nbytes)
+
     def _live_storages(self, section: str, index: int, scope: str) -> list[tuple[str, int]]:
         """Storages of values live right after instruction `index` of `section`
-        (before any grad hand-over), by replaying the sound schedule."""
+        (before any grad hand-over), by replaying the sound schedule: a value
+        on the host holds no device storage, one being reloaded does."""
         values = self.values
         live: set[str] = {v.name for v in self.p.values if v.kind in GRAPH_INPUT_KINDS}
         nodes = self.nodes
+        reloading: set[str] = set()
         for sec, instrs in (("forward", self.p.forward), ("backward", self.p.backward)):
             if sec == "backward":
                 live.update(v.name for v in self.p.values if v.kind == TANGENT)
@@ -1020,15 +1273,27 @@ class _Verifier:
             for i, ins in enumerate(instrs):
                 if ins.kind == FREE:
                     live.discard(ins.target)
-                else:
+                elif ins.kind == RELOAD:
+                    reloading.add(ins.target)
+                elif ins.kind == WAIT:
+                    if ins.target in reloading:
+                        reloading.discard(ins.target)
+                        live.add(ins.target)
+                    else:
+                        live.discard(ins.target)
+                elif ins.kind in (COMPUTE, RECOMPUTE):
                     outs = [o for o in nodes[ins.target].outputs if o]
                     live.update(outs)
                     if sec == section and i == index:
                         done = True
                         break
                     live.difference_update(o for o in outs if o in self.grad_of)
+                if sec == section and i == index:
+                    done = True
+                    break
             if done:
                 break
+        live |= reloading
         sizes: dict[str, int] = {}
         for name in live:
             s = values[name].storage

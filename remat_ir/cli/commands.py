@@ -388,6 +388,7 @@ def _verify(argv) -> int:
             out["predicted_peak_bytes"] = verdict.report.peak_bytes
             out["predicted_first_step_peak_bytes"] = verdict.report_first_step.peak_bytes
             out["activation_peak_bytes"] = verdict.report.activation_peak_bytes
+            out["predicted_host_peak_bytes"] = verdict.report.host_peak_bytes
         print(json.dumps(out))
         return EXIT_OK if verdict.ok else failed
     if not verdict.ok:
@@ -471,6 +472,10 @@ def _run(argv) -> int:
             "predicted_first_step_peak_bytes": r.predicted_first.peak_bytes,
             "measured_first_step_peak_bytes": r.measured_first_peak,
             "predicted_activation_peak_bytes": r.predicted.activation_peak_bytes,
+            "predicted_host_peak_bytes": r.predicted.host_peak_bytes,
+            "measured_host_peak_bytes": r.measured_host_peak,
+            "predicted_first_step_host_peak_bytes": r.predicted_first.host_peak_bytes,
+            "measured_first_step_host_peak_bytes": r.measured_first_host_peak,
             "memory_within_tolerance": ok_mem,
             "grads_match": r.grads_match,
             "grads_bitwise": r.grads_bitwise,
@@ -484,8 +489,13 @@ def _run(argv) -> int:
         }))
     else:
         print(f"{'step':<28}{'predicted':>12}{'measured':>12}{'diff':>10}")
-        for label, pr, me in (("first (no .grad)", r.predicted_first.peak_bytes, r.measured_first_peak),
-                              ("later (.grad present)", r.predicted.peak_bytes, r.measured_peak)):
+        rows = [("first (no .grad)", r.predicted_first.peak_bytes, r.measured_first_peak),
+                ("later (.grad present)", r.predicted.peak_bytes, r.measured_peak)]
+        if r.predicted.host_peak_bytes or r.measured_host_peak or r.measured_first_host_peak:
+            # The plan offloads: its host pool (the offloaded copies), apart from the device's.
+            rows += [("host pool, first step", r.predicted_first.host_peak_bytes, r.measured_first_host_peak),
+                     ("host pool, later step", r.predicted.host_peak_bytes, r.measured_host_peak)]
+        for label, pr, me in rows:
             print(f"{label:<28}{human_bytes(pr):>12}{human_bytes(me):>12}"
                   f"{100 * (me - pr) / max(pr, 1):>9.2f}%")
         print("measured before the step: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in r.measured_baseline.items())

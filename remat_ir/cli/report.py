@@ -54,6 +54,11 @@ def breakdown(program: Program, steady: MemoryReport, first: MemoryReport) -> st
         used = max(steady.scope_peak(b.scope), first.scope_peak(b.scope))
         lines.append(f"  budget ({b.scope}): {human_bytes(b.bytes)}, predicted {human_bytes(used)}, "
                      f"slack {human_bytes(b.bytes - used)}")
+    if steady.offloads:
+        hb = program.header.host_budget
+        lines.append(f"  offloaded to the host: {steady.offloads} copies, host pool peak "
+                     f"{human_bytes(steady.host_peak_bytes)} at {where(program, steady.host_peak)}"
+                     + (f" (host budget {human_bytes(hb)})" if hb is not None else ""))
     return "\n".join(lines)
 
 

@@ -8,7 +8,10 @@
 
 The timeline is the simulator's (`remat_ir.check.simulate`): live bytes right after
 each instruction's allocation, by category, in the steady state (`.grad`
-present; `--first-step` for the first step, without `.grad`).
+present; `--first-step` for the first step, without `.grad`).  A plan that
+offloads values to the host also shows its host pool: the text lists each
+offloaded value with its instructions' lines and the host peak, the picture
+draws the host pool's bytes as a line and marks the copies.
 
 Exit codes: 0 shown; 1 the plan cannot be simulated (run remat-verify);
 2 bad input (unreadable plan, missing matplotlib for --png, a --png that is
@@ -85,6 +88,60 @@ def recompute_summary(program) -> tuple[list[tuple[str, str, float, int]], float
     return rows, extra, base
 
 
+def offload_summary(program) -> list[dict]:
+    """Each value the plan offloads, in the order of its offloads: {"value",
+    "bytes", "offload", "wait", "reload", "reload_wait", "free_on_host"}, the
+    last five the lines of those instructions (0: none; a value offloaded
+    twice has a row for each time)."""
+    values = program.value_map()
+    rows: list[dict] = []
+    open_row: dict[str, dict] = {}
+    copying: dict[str, str] = {}
+    for ins in program.forward + program.backward:
+        name = ins.target
+        if ins.kind == "offload":
+            v = values.get(name)
+            row = {"value": name, "bytes": v.nbytes if v is not None else 0, "offload": ins.line, "wait": 0,
+                   "reload": 0, "reload_wait": 0, "free_on_host": 0}
+            rows.append(row)
+            open_row[name] = row
+            copying[name] = "offload"
+        elif ins.kind == "reload" and name in open_row:
+            open_row[name]["reload"] = ins.line
+            copying[name] = "reload"
+        elif ins.kind == "wait" and name in open_row:
+            key = "wait" if copying.pop(name, "offload") == "offload" else "reload_wait"
+            open_row[name][key] = ins.line
+            if key == "reload_wait":
+                del open_row[name]
+        elif ins.kind == "free" and name in open_row and open_row[name]["wait"] and not open_row[name]["reload"]:
+            open_row.pop(name)["free_on_host"] = ins.line
+    return rows
+
+
+def _offload_lines(program, report, max_rows: int) -> list[str]:
+    rows = offload_summary(program)
+    if not rows:
+        return []
+    from remat_ir.cli.report import where
+
+    at = where(program, report.host_peak) if report.host_peak is not None else "-"
+    lines = [f"offloaded to the host: {len(rows)} value{'s' if len(rows) != 1 else ''}, host peak "
+             f"{human_bytes(report.host_peak_bytes)} at {at}"]
+    if program.header.host_budget is not None:
+        lines[-1] += f" (host budget {human_bytes(program.header.host_budget)})"
+    for r in sorted(rows, key=lambda r: -r["bytes"] if isinstance(r["bytes"], int) else 0)[:max_rows]:
+        steps = [f"offload line {r['offload']}", f"wait line {r['wait']}"]
+        if r["reload"]:
+            steps += [f"reload line {r['reload']}", f"wait line {r['reload_wait']}"]
+        if r["free_on_host"]:
+            steps.append(f"freed on the host line {r['free_on_host']}")
+        lines.append(f"  {human_bytes(r['bytes']):>10}  {r['value']}  ({', '.join(steps)})")
+    if len(rows) > max_rows:
+        lines.append(f"  ... and {len(rows) - max_rows} more")
+    return lines
+
+
 def _pct(part: float, whole: float) -> str:
     p = 100 * part / max(whole, 1)
     return f"{p:.1f}%" if p >= 0.1 or p == 0 else f"{p:.2g}%"
@@ -144,6 +201,7 @@ def text_summary(program, report, *, first_step: bool = False, top: int = 6, max
             lines.append(f"  ... and {len(rows) - max_ops} more ({_flops(rest)})")
     else:
         lines.append(f"recomputed ops: none (step compute {_flops(base)})")
+    lines += _offload_lines(program, report, max_ops)
     return "\n".join(lines)
 
 
@@ -188,6 +246,16 @@ def timeline_png(program, report, path: str, *, title: str = "", first_step: boo
     if rec:
         ax.plot(rec, [0] * len(rec), "|", color="black", ms=10, mew=0.8, clip_on=False,
                 label=f"recompute ({len(rec)})")
+    # Offload: the host pool's bytes (a line, not stacked: they are not device memory), and the copies.
+    if report.host_peak_bytes:
+        ax.step(xs, [ev.host / size for ev in tl], where="post", color="#8c564b", lw=1.5, ls="-.",
+                label=f"host pool (offloaded copies), peak {human_bytes(report.host_peak_bytes)}")
+        for kind, marker in (("offload", "^"), ("reload", "v")):
+            at = [i for i, ins in enumerate(program.forward) if ins.kind == kind]
+            at += [n_fwd + i for i, ins in enumerate(program.backward) if ins.kind == kind]
+            if at:
+                ax.plot(at, [0] * len(at), marker, color="#8c564b", ms=5, clip_on=False,
+                        label=f"{kind} ({len(at)})")
     # The peak, and what is live there (beside the plot, with the legend).
     px, py = _x(program, report.peak), report.peak_bytes / size
     ax.plot([px], [py], "v", color="black", ms=9, zorder=5)
@@ -204,6 +272,9 @@ def timeline_png(program, report, path: str, *, title: str = "", first_step: boo
     rows, extra, base = recompute_summary(program)
     if rows:
         txt += f"\n\nrecomputed ops: {len(rows)}, +{_pct(extra, base)} compute"
+    if report.host_peak_bytes:
+        txt += (f"\n\noffloaded to the host: {len(offload_summary(program))} values,\n"
+                f"host peak {human_bytes(report.host_peak_bytes)}")
     fig.text(0.712, 0.45, txt, ha="left", va="top", fontsize=7.5, family="monospace",
              bbox=dict(boxstyle="round", fc="white", ec="gray", alpha=0.95))
     top_y = ymax * 1.12

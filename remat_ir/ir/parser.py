@@ -12,7 +12,8 @@ language's definition; tests/test_text.py runs lark on that grammar as an
 oracle and checks that both accept the same texts and read them alike.
 
 Then `_assemble` resolves names: every value is declared once, every name
-used is declared somewhere, `compute` names nodes, `free` names values.
+used is declared somewhere, `compute` and `recompute` name nodes, `free`,
+`offload`, `reload` and `wait` name values.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from remat_ir.ir.guards import Guard, GuardError
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
-    BACKWARD, COMPUTE, FORWARD, FREE, GRAD, MAX_NESTING, RECOMPUTE, RESULT, VALUE,
+    BACKWARD, FORWARD, GRAD, INSTR_KINDS, MAX_NESTING, NODE_INSTRS, RESULT, VALUE,
     Budget, Device, DType, Header, Instr, Layout, MemoryFormat, Node, Output, Program,
     Ref, Seq, Special, Sym, Value,
 )
@@ -89,12 +90,13 @@ _DEVICE = re.compile(r'device\((?:[\w.:-]+|"(?:[^"\\\n\r]|\\.)*")\)')
 # expects it: elsewhere the same word is a name.
 KEYWORDS = frozenset({
     "rir", "model", "fingerprint", "device", "cost", "flops", "profile", "optimizer", "bytes",
-    "budget", "total", "activations", "has_loss", "output_spec", "rewrites", "autocast", "held_gradients",
-    "constants", "guards", "sizes", "size_guards",
+    "budget", "total", "activations", "host_budget", "has_loss", "output_spec", "rewrites", "autocast",
+    "held_gradients", "constants", "guards", "sizes", "size_guards",
     "true", "false",
     "values", "input", "param", "buffer", "tangent", "value", "stride", "view", "of", "source",
     "requires_grad", "aliases", "graph", "forward", "backward", "_", "none", "inf", "nan",
-    "module", "random", "mutates", "time_us", "compute", "recompute", "free", "outputs",
+    "module", "random", "mutates", "time_us", "compute", "recompute", "free", "offload", "reload", "wait",
+    "outputs",
     "result", "grad",
 })
 
@@ -102,7 +104,7 @@ _ARG_WORDS: dict[str, Any] = {"true": True, "false": False, "none": None,
                               "inf": Special("inf"), "nan": Special("nan")}
 _KWARG_NAME = ("a keyword argument name: an identifier (letters, digits and `_`, not starting with a "
                "digit), bare or in quotes")
-_INSTRS = (COMPUTE, RECOMPUTE, FREE)
+_INSTRS = INSTR_KINDS
 _NODE_ATTRS = ("module", "random", "mutates", "flops", "time_us")
 _ARGUMENT = ("an argument (a value name, number, string, true/false/none, list, "
              "torch.* constant, device(...) or size $B / $(B*T))")
@@ -110,7 +112,7 @@ _SIZE_FORM = "a size: `$SYMBOL` or `$(EXPRESSION)`, like $B or $(B*T)"
 
 # Sections in order; the words that start a line of one.
 _SECTIONS = ("values", "graph", "forward", "backward", "outputs")
-_LINE_SECTION = {COMPUTE: FORWARD, RECOMPUTE: FORWARD, FREE: FORWARD, RESULT: "outputs", GRAD: "outputs"}
+_LINE_SECTION = {**{kind: FORWARD for kind in INSTR_KINDS}, RESULT: "outputs", GRAD: "outputs"}
 _NEXT_SECTION = {"header": "values", "values": "graph", "graph": FORWARD, FORWARD: BACKWARD,
                  BACKWARD: "outputs", "outputs": None}
 _ORDER_TEXT = "sections come in this order: values, graph forward|backward, forward, backward, outputs"
@@ -469,6 +471,9 @@ class _Reader:
             n = self.integer("the budget in bytes (an integer)")
             self.expect_keyword("bytes")
             h.budget = Budget(bytes=n, scope=self.choice(("total", "activations")))
+        elif field == "host_budget":
+            h.host_budget = self.integer("the host budget in bytes (an integer)")
+            self.expect_keyword("bytes")
         elif field == "rewrites":
             h.rewrites = [self.word_value("a rewrite (batchnorm_split, chunked_loss:8)")]
             while self.follows(","):
@@ -815,7 +820,7 @@ class _Reader:
         self.i += len(title)
         self.expect_end()
         out = []
-        expected = f"`compute`, `recompute`, `free` or `{next_title}`"
+        expected = _quoted((*_INSTRS, next_title))
         while True:
             if not self.next_line():
                 self.fail(expected)
@@ -1025,10 +1030,15 @@ def _assemble(parts: tuple, error) -> Program:
     def instrs(recs) -> list[Instr]:
         out = []
         for kind, name, line, col in recs:
-            if kind == FREE:
+            if kind not in NODE_INSTRS:
                 if name not in where:
-                    hint = " (that is a node; free its outputs)" if name in node_where else ""
-                    raise error(line, col, f"free of unknown value `{name}`{hint}")
+                    hint = ""
+                    if name in node_where:
+                        hint = f" (that is a node; {kind} its outputs)"
+                    elif len(name) <= 100:
+                        close = difflib.get_close_matches(name, list(where), n=1)
+                        hint = f"; did you mean `{close[0]}`?" if close else ""
+                    raise error(line, col, f"{kind} of unknown value `{name}`{hint}")
             elif name not in node_where:
                 close = difflib.get_close_matches(name, list(node_where), n=1)
                 hint = f"; did you mean `{close[0]}`?" if close else ""

@@ -15,8 +15,8 @@ import msgspec
 from remat_ir.ir import sizes as sz
 from remat_ir.ir import types as ir
 from remat_ir.ir.types import (
-    BACKWARD, FORWARD, FREE, RESULT, VALUE, Device, DType, Instr, Layout, MemoryFormat, Node, Output,
-    Program, Ref, Seq, Special, Sym, Value,
+    BACKWARD, FORWARD, FREE, OFFLOAD, RELOAD, RESULT, VALUE, WAIT, Device, DType, Instr, Layout, MemoryFormat, Node,
+    Output, Program, Ref, Seq, Special, Sym, Value,
 )
 from remat_ir.ir.syntax import (
     DEVICE_BARE_RE, ESCAPE_RE, KWARG_RE, NAME_RE, RESERVED, RESULT_KEY_RE, SIZE_RANGE_RE, SPECIALS,
@@ -245,6 +245,14 @@ class _Printer:
             return ""
         return sign + human_bytes(n) + (f" at {self.at}" if symbolic else "")
 
+    def owned(self, v: Value | None, sign: str, host: bool = False) -> str:
+        """The bytes value `v` owns, signed, for a comment ("" for a view, an
+        unknown value, or no bytes); `host` says they are host memory."""
+        if v is None or v.storage != v.name or v.nbytes == 0:
+            return ""
+        text = self.human(*self.nbytes(v.nbytes), sign=sign)
+        return "host " + text if host and text else text
+
     def emit(self, s: str) -> int:
         self.lines.append(s)
         return len(self.lines)
@@ -269,6 +277,9 @@ class _Printer:
         if h.budget is not None:
             hl["budget"] = emit(_comment(f"budget {int(h.budget.bytes)} bytes {h.budget.scope}",
                                          human_bytes(h.budget.bytes)))
+        if h.host_budget is not None:
+            hl["host_budget"] = emit(_comment(f"host_budget {int(h.host_budget)} bytes",
+                                              human_bytes(h.host_budget) + " of host memory"))
         hl["has_loss"] = emit(f"has_loss {'true' if h.has_loss else 'false'}")
         hl["output_spec"] = emit(f"output_spec {_quote(h.output_spec)}")
         if h.rewrites:
@@ -326,6 +337,8 @@ class _Printer:
         # schedule
         names = [i.target for i in p.forward] + [i.target for i in p.backward]
         w = min(max((len(_ref(t)) for t in names), default=0), 48)
+        copying: dict[str, str] = {}  # value -> the copy in flight (offload or reload)
+        on_host: set[str] = set()
         for title, instrs, where in (("forward", p.forward, self.fwd_lines),
                                      ("backward", p.backward, self.bwd_lines)):
             emit("")
@@ -334,9 +347,19 @@ class _Printer:
                 r = _ref(ins.target)
                 note = ""
                 if ins.kind == FREE:
-                    v = values.get(ins.target)
-                    if v is not None and v.storage == v.name and v.nbytes != 0:
-                        note = self.human(*self.nbytes(v.nbytes), sign="-")
+                    # (a value on the host: the bytes of its host buffer)
+                    note = self.owned(values.get(ins.target), "-", host=ins.target in on_host)
+                    on_host.discard(ins.target)
+                elif ins.kind in (OFFLOAD, RELOAD):
+                    copying[ins.target] = ins.kind
+                    on_host.discard(ins.target)
+                    note = self.owned(values.get(ins.target), "+", host=ins.kind == OFFLOAD)
+                elif ins.kind == WAIT:
+                    copy = copying.pop(ins.target, None)
+                    if copy == OFFLOAD:
+                        on_host.add(ins.target)
+                    if copy is not None:
+                        note = self.owned(values.get(ins.target), "-", host=copy == RELOAD)
                 elif alloc.get(ins.target, (0, False))[0]:
                     note = self.human(*alloc[ins.target], sign="+")
                 body = f"  {ins.kind:<9} {r:<{w}}" if note else f"  {ins.kind:<9} {r}"

@@ -17,6 +17,7 @@ The grammar is `grammar/rir.lark` (installed as the package data of
     cost profile                                # what the optimizer minimizes (line absent: flops)
     optimizer adam 1024000 bytes                # 1000.0 KiB
     budget 3365000 bytes activations            # 3.21 MiB   (line absent: no budget)
+    host_budget 1048576 bytes                   # 1.00 MiB of offloaded copies (line absent: none)
     has_loss true
     output_spec "[1, {\\"type\\": null, ...}]"
     rewrites chunked_loss:8                     # graph rewrites applied (line absent: none)
@@ -94,8 +95,9 @@ Rules of the text:
   canonical text (`sizes.size_text`); a contiguous stride (`default_stride`)
   is left out; byte sizes in comments are at the range's high end.
 * Schedule: `forward` then `backward` sections of `compute NODE`,
-  `recompute NODE`, `free VALUE`; `outputs` of `result KEY = VALUE` and
-  `grad VALUE = VALUE`.
+  `recompute NODE`, `free VALUE`, and the offload instructions `offload VALUE`,
+  `reload VALUE`, `wait VALUE` (what they mean: `remat_ir.check.simulate`);
+  `outputs` of `result KEY = VALUE` and `grad VALUE = VALUE`.
 
 Reading: one hand-written reader (`remat_ir.ir.parser`) takes the text a line
 at a time, implements the whole grammar and words every error itself (its time on a
@@ -105,7 +107,7 @@ that lark and the reader accept the same texts and read them alike.
 
 Errors are `RirSyntaxError` (a ValueError) rendered `file:line:col: message`.
 Parsing resolves names: every value referenced is declared exactly once,
-`compute`/`recompute` name nodes, `free` names values; whether the schedule
+`compute`/`recompute` name nodes, `free`/`offload`/`reload`/`wait` name values; whether the schedule
 makes sense is the verifier's business.
 """
 from __future__ import annotations
@@ -169,8 +171,8 @@ LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "spars
 MEMORY_FORMATS = frozenset({"contiguous_format", "preserve_format", "channels_last",
                             "channels_last_3d"})
 SPECIALS = ("inf", "-inf", "nan")
-HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "has_loss", "output_spec",
-                 "rewrites", "autocast", "held_gradients", "constants", "guards", "sizes", "size_guards")
+HEADER_FIELDS = ("model", "fingerprint", "device", "cost", "optimizer", "budget", "host_budget", "has_loss",
+                 "output_spec", "rewrites", "autocast", "held_gradients", "constants", "guards", "sizes", "size_guards")
 VALUE_DECL_KINDS = (INPUT, PARAM, BUFFER, TANGENT, VALUE)
 
 # Keywords that can stand where a name can, so a value of that name is

@@ -139,10 +139,22 @@ class Node(msgspec.Struct, omit_defaults=True):
 COMPUTE = "compute"
 RECOMPUTE = "recompute"
 FREE = "free"
+# Offload: a value's storage copied to host memory and back
+# (`remat_ir.check.simulate` states what each does).  `offload V` starts the
+# copy of V to a host buffer, `reload V` starts the copy back into a fresh
+# device storage, and `wait V` ends the copy in flight (after an offload, V's
+# device storage is released; after a reload, V is readable again).
+OFFLOAD = "offload"
+RELOAD = "reload"
+WAIT = "wait"
+INSTR_KINDS = (COMPUTE, RECOMPUTE, FREE, OFFLOAD, RELOAD, WAIT)
+NODE_INSTRS = (COMPUTE, RECOMPUTE)  # name a node; the others name a value
+TRANSFER_INSTRS = (OFFLOAD, RELOAD, WAIT)
 
 
 class Instr(msgspec.Struct, omit_defaults=True):
-    """`compute`/`recompute` name a node; `free` names a value.
+    """`compute`/`recompute` name a node; `free`, `offload`, `reload` and
+    `wait` name a value.
 
     `line` is the 1-based line in the `.rir` text it was parsed from (0 when
     the instruction was made in memory); it exists so errors can name it.
@@ -192,6 +204,9 @@ class Header(msgspec.Struct, omit_defaults=True):
     optim: str = "none"
     optim_state_bytes: int = 0
     budget: Budget | None = None
+    # Bytes of host memory the plan's offloaded copies may hold at once (`host_budget N bytes`);
+    # None: no host budget.  Like `budget`, the schedule's business, not the model's.
+    host_budget: int | None = None
     output_spec: str = ""  # torch.utils._pytree treespec of the forward results, serialized
     has_loss: bool = False  # the program includes the loss function given at compile time
     # Graph rewrites applied to the traced step, in order (`remat_ir.rewrite`):
@@ -221,7 +236,7 @@ class Header(msgspec.Struct, omit_defaults=True):
     size_guards: list[str] = []
     comment: list[str] = []  # free text printed as `#` lines at the top
     # Header line name (`rir`, `model`, `fingerprint`, `device`, `cost`, `optimizer`,
-    # `budget`, `has_loss`, `output_spec`) -> its 1-based `.rir` line, for messages;
+    # `budget`, `host_budget`, `has_loss`, `output_spec`, ...) -> its 1-based `.rir` line, for messages;
     # empty when made in memory.  Never printed.
     lines: dict[str, int] = {}
 
@@ -319,7 +334,7 @@ def hand_overs(program: "Program") -> dict[int, list[str]]:
             by_storage.setdefault(values[g].storage, []).append(g)
     last: dict[str, int] = {}
     for i, ins in enumerate(program.backward):
-        node = nodes.get(ins.target) if ins.kind != FREE else None
+        node = nodes.get(ins.target) if ins.kind in NODE_INSTRS else None
         if node is None:
             continue
         for o in node.outputs:

@@ -404,6 +404,12 @@ class _Composer:
         if len(self.f_nodes) != len(units) or len(b_nodes) != len(units):
             raise NotImplementedError("predicting a step whose root does not call each planned unit once, "
                                       "in a chain, is not supported")
+        from remat_ir.ir import TRANSFER_INSTRS
+
+        if any(ins.kind in TRANSFER_INSTRS for prog in [rprog] + [u[0] for u in units]
+               for ins in prog.forward + prog.backward):
+            raise NotImplementedError("predicting an FSDP step whose plans offload values to the host is not "
+                                      "supported")
         # In a chain, backward meets the units in the reverse order.
         self.forward_of = {n.name: i for i, n in enumerate(self.f_nodes)}
         self.backward_of = {n.name: len(units) - 1 - i for i, n in enumerate(b_nodes)}

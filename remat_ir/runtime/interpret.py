@@ -12,6 +12,10 @@ its own `autograd.Function` whose inputs are those parameters.  Autograd
 therefore accumulates `.grad` (and fires hooks, DDP buckets) as soon as a
 gradient exists, the same moment eager PyTorch would.
 
+`offload`, `reload` and `wait` call the step's `Transfers`
+(`remat_ir.runtime.offload`): a value offloaded and waited leaves the
+dictionary of live tensors, and comes back into it at its reload's wait.
+
 This module must not import cvxpy: loading and running a plan needs only torch.
 """
 from __future__ import annotations
@@ -27,7 +31,11 @@ from remat_ir.ir.ops import resolve  # (importing ops registers the remat.* ops 
 from remat_ir.ir.guards import Guard, GuardError, failed_guard
 from remat_ir.ir.specs import load_treespec
 from remat_ir.ir import sizes as sz
-from remat_ir.ir import COMPUTE, FREE, GRAD, INPUT, PARAM, BUFFER, RECOMPUTE, RESULT, TANGENT, Program, hand_overs
+from remat_ir.ir import (
+    BUFFER, COMPUTE, FREE, GRAD, INPUT, OFFLOAD, PARAM, RECOMPUTE, RELOAD, RESULT, TANGENT, TRANSFER_INSTRS, WAIT,
+    Program, hand_overs,
+)
+from remat_ir.runtime.offload import Transfers, copies_for
 from remat_ir.runtime.bind import (
     LiveGuard, ModelGuard, PlanMismatch, autocast_differs, check_device, check_graph, check_header, check_parameters,
     check_sound, constants_differ, own_class,
@@ -94,6 +102,21 @@ class Executable:
         self.params = [v for v in program.values if v.kind == PARAM]
         self.buffers = [v for v in program.values if v.kind == BUFFER]
         self.inputs = [v for v in program.values if v.kind == INPUT]
+        # Offload: whether the plan moves values to the host, and which of its
+        # `free`s drop a value on the host (its host buffer), by instruction.
+        self.offloads = any(i.kind in TRANSFER_INSTRS for i in program.forward + program.backward)
+        self.host_frees: set[int] = set()
+        on_host: set[str] = set()
+        copying: dict[str, str] = {}
+        for ins in program.forward + program.backward:
+            if ins.kind in (OFFLOAD, RELOAD):
+                copying[ins.target] = ins.kind
+                on_host.discard(ins.target)
+            elif ins.kind == WAIT and copying.pop(ins.target, None) == OFFLOAD:
+                on_host.add(ins.target)
+            elif ins.kind == FREE and ins.target in on_host:
+                on_host.discard(ins.target)
+                self.host_frees.add(id(ins))
 
         self.forward_fn = self._compile("forward", program.forward, [])
         # Backward segments: cut after each instruction that hands gradients
@@ -179,7 +202,19 @@ class Executable:
         replay = set(self.replayed)
         for ins in instrs:
             if ins.kind == FREE:
-                body.append(f"del E[{_str(ins.target)}]")
+                if id(ins) in self.host_frees:
+                    body.append(f"X.free({_str(ins.target)})")
+                else:
+                    body.append(f"del E[{_str(ins.target)}]")
+                continue
+            if ins.kind == OFFLOAD:
+                body.append(f"X.offload({_str(ins.target)}, E[{_str(ins.target)}])")
+                continue
+            if ins.kind == RELOAD:
+                body.append(f"X.reload({_str(ins.target)})")
+                continue
+            if ins.kind == WAIT:
+                body.append(f"X.wait({_str(ins.target)}, E)")
                 continue
             node = self.nodes[ins.target]
             call = self._call(node)
@@ -204,7 +239,7 @@ class Executable:
             body.append("return (" + "".join(f"E.pop({_str(v)}), " for v, _ in grads) + ")")
         else:
             body.append("return ()")
-        src = f"def {name}(E, R, C, S, get_rng, set_rng):\n" + "".join(f"    {ln}\n" for ln in body)
+        src = f"def {name}(E, R, C, S, X, get_rng, set_rng):\n" + "".join(f"    {ln}\n" for ln in body)
         scope: dict = {}
         exec(compile(src, f"<remat-ir {name}>", "exec"), scope)
         fn = scope[name]
@@ -223,12 +258,14 @@ class Executable:
 class _State:
     """Live tensors of one step, shared by the pieces of its autograd graph."""
 
-    def __init__(self, exe: Executable, device: torch.device):
+    def __init__(self, exe: Executable, device: torch.device, copies=None):
         self.exe = exe
         self.env: dict[str, torch.Tensor] = {}
         self.rng: dict[str, torch.Tensor] = {}
         self.next_segment = 0
         self.device = device
+        # The step's offloaded values (`copies`: the device's copy engine, kept by the runner).
+        self.transfers = Transfers(copies, device) if copies is not None else None
         self.sizes: dict[str, int] = {}  # a symbolic plan's sizes in this step
         if device.type == "cuda":
             self.get_rng = lambda: torch.cuda.get_rng_state(device)
@@ -241,7 +278,7 @@ class _State:
         # The plan's ops carry the casts of the autocast it was traced under:
         # an outer autocast must not cast them again.
         with autocast_off((self.device.type,)):
-            return fn(self.env, self.rng, self.exe.consts, self.sizes, self.get_rng, self.set_rng)
+            return fn(self.env, self.rng, self.exe.consts, self.sizes, self.transfers, self.get_rng, self.set_rng)
 
 
 def _token(device) -> torch.Tensor:
@@ -311,6 +348,8 @@ class _Segment(torch.autograd.Function):
         if state.next_segment == len(state.exe.segments):
             state.env.clear()
             state.rng.clear()
+            if state.transfers is not None:
+                state.transfers.clear()
         return (None, None, _token(state.device), *grads)
 
 
@@ -378,6 +417,15 @@ class PlanRunner:
             self.guards = [Guard(g) for g in program.header.guards]
         except GuardError as e:
             raise PlanMismatch(str(e), program.header.lines.get("guards", 0)) from None
+
+    def copies(self, device: torch.device):
+        """The copy engine of `device` for a plan that offloads: made at the
+        first step on it and kept (on CUDA its pool of pinned buffers is
+        reused by every step)."""
+        found = self.__dict__.setdefault("_copies", {})
+        if device not in found:
+            found[device] = copies_for(device)
+        return found[device]
 
     # The compiled code is generated Python, which pickle cannot hold: a
     # pickled runner keeps the plan and compiles it again when loaded.
@@ -493,7 +541,7 @@ class PlanRunner:
             by_name[v.name] = model.get_buffer(v.source)
         for v, name in zip(exe.inputs, self.input_names):
             by_name[v.name] = got[name]
-        state = _State(exe, device)
+        state = _State(exe, device, self.copies(device) if exe.offloads else None)
         state.sizes = sizes
         env = state.env
         # Graph inputs enter the environment detached: autograd sees them only

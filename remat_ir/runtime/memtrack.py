@@ -38,11 +38,22 @@ Scope and caveats
       grows or shrinks, and one the tracker has not seen, grown from empty,
       is new memory.
 
+Two pools
+    A plan that offloads activations (`offload` / `reload` / `wait`) keeps
+    their copies in host memory.  On CPU both pools are CPU memory, so the
+    tracker tells them apart by where the allocation is made: a storage an op
+    allocates inside `host_pool()` is a host buffer, counted in
+    ``host_live_bytes`` / ``host_peak_bytes`` and never in the device pool
+    (``live_bytes`` / ``peak_bytes``).  On CUDA the host buffers are pinned
+    memory the allocator's statistics do not see; the copy engine reports
+    them to `HOST_BYTES` as it hands them out and takes them back.
+
 `measure_step` wraps a step: on CPU (and fake/meta) with `StorageTracker`; on
-CUDA with the caching allocator's statistics.
+CUDA with the caching allocator's statistics (and `HOST_BYTES`).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
@@ -51,9 +62,48 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "StepMemory", "measure_step", "storage_key", "storage_nbytes"]
+__all__ = ["HOST_BYTES", "HostBytes", "StorageTracker", "StepMemory", "host_pool", "measure_step", "storage_key",
+           "storage_nbytes"]
 
 MiB = 2**20
+
+# How many `host_pool()` contexts are open: while one is, new storages are host buffers.
+_host_depth = 0
+
+
+@contextlib.contextmanager
+def host_pool():
+    """Within it, the storages ops allocate are host memory (offloaded
+    copies): a `StorageTracker` counts them in its host pool, apart from
+    the device pool."""
+    global _host_depth
+    _host_depth += 1
+    try:
+        yield
+    finally:
+        _host_depth -= 1
+
+
+class HostBytes:
+    """Bytes of host buffers in use, as the CUDA copy engine reports them
+    (pinned memory, which the CUDA allocator's statistics do not count)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+HOST_BYTES = HostBytes()
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -83,6 +133,8 @@ class StorageTracker(TorchDispatchMode):
     ``live_bytes``: bytes of storages first seen inside the mode and still alive.
     ``peak_bytes``: the maximum over time of ``live_bytes - freed_baseline_bytes``,
     i.e. the peak above the registered baseline (0 if nothing was allocated).
+    ``host_live_bytes`` / ``host_peak_bytes``: the same of the host pool, the
+    storages allocated inside `host_pool()` (in neither of the above).
     """
 
     def __init__(self) -> None:
@@ -90,8 +142,11 @@ class StorageTracker(TorchDispatchMode):
         self._live: dict[int, int] = {}  # key -> nbytes, allocated inside the mode
         self._refs: dict[int, weakref.ref] = {}  # key -> weakref (keeps callbacks alive)
         self._registered: dict[int, tuple[str, int]] = {}  # key -> (category, nbytes)
+        self._host: dict[int, int] = {}  # key -> nbytes, host buffers allocated inside the mode
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
         self.freed_baseline_bytes = 0
         self.n_allocations = 0
         self.allocated_bytes = 0  # total bytes ever allocated inside the mode
@@ -143,6 +198,8 @@ class StorageTracker(TorchDispatchMode):
                 continue
             s = o.untyped_storage()
             key = s._cdata
+            if key in self._host:  # a host buffer written (the copy into it)
+                continue
             if key in self._live:  # seen before; may have been resized in place (out=)
                 nb = s.nbytes()
                 if nb != self._live[key]:
@@ -152,7 +209,10 @@ class StorageTracker(TorchDispatchMode):
                 continue
             if key in in_keys or key in self._registered:
                 continue  # a view / in-place result of an argument, or pre-existing
-            self._track(s, key)
+            if _host_depth:
+                self._track_host(s, key)
+            else:
+                self._track(s, key)
         return out
 
     # --------------------------------------------------------------- bookkeeping
@@ -171,14 +231,23 @@ class StorageTracker(TorchDispatchMode):
         self.allocated_bytes += nb
         self._add(nb)
 
-    def _make_free_cb(self, key: int, registered: bool):
+    def _track_host(self, s: torch.UntypedStorage, key: int) -> None:
+        nb = s.nbytes()
+        self._host[key] = nb
+        self._refs[key] = weakref.ref(s, self._make_free_cb(key, registered=False, host=True))
+        self.host_live_bytes += nb
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+
+    def _make_free_cb(self, key: int, registered: bool, host: bool = False):
         self_ref = weakref.ref(self)
 
         def on_free(_ref, key=key, registered=registered):
             tracker = self_ref()
             if tracker is None:
                 return
-            if registered:
+            if host:
+                tracker.host_live_bytes -= tracker._host.pop(key, 0)
+            elif registered:
                 entry = tracker._registered.pop(key, None)
                 if entry is not None:
                     tracker.freed_baseline_bytes += entry[1]
@@ -204,7 +273,7 @@ class StorageTracker(TorchDispatchMode):
                 continue
             s = t.untyped_storage()
             key = s._cdata
-            if key in self._registered or key in self._live:
+            if key in self._registered or key in self._live or key in self._host:
                 continue
             nb = s.nbytes()
             self._registered[key] = (category, nb)
@@ -213,8 +282,9 @@ class StorageTracker(TorchDispatchMode):
         return added
 
     def reset_peak(self) -> None:
-        """Restart peak tracking from the current live bytes."""
+        """Restart peak tracking (both pools) from the current live bytes."""
         self.peak_bytes = max(0, self.live_bytes - self.freed_baseline_bytes)
+        self.host_peak_bytes = self.host_live_bytes
         self.peak_op = None
 
     def baseline_by_category(self) -> dict[str, int]:
@@ -285,6 +355,8 @@ class StepMemory:
     peak_above_baseline: the peak of what the step allocated on top of the baseline.
     live_after_bytes: bytes the step left allocated above the baseline
         (e.g. ``.grad`` created on a first step).
+    host_peak_bytes: the peak of the host pool during the step (copies of
+        offloaded values; 0 when nothing was offloaded).
     """
 
     peak_bytes: int
@@ -292,12 +364,14 @@ class StepMemory:
     baseline_by_category: dict[str, int] = field(default_factory=dict)
     peak_above_baseline: int = 0
     live_after_bytes: int = 0
+    host_peak_bytes: int = 0
 
     def summary(self) -> str:
         cats = ", ".join(f"{k} {v / MiB:.3f}" for k, v in self.baseline_by_category.items() if k != "unregistered")
         outside = self.baseline_by_category.get("unregistered", 0)
         return (f"peak {self.peak_bytes / MiB:.3f} MiB = baseline {self.baseline_bytes / MiB:.3f} MiB"
                 f" ({cats}) + {self.peak_above_baseline / MiB:.3f} MiB"
+                + (f"; host pool peak {self.host_peak_bytes / MiB:.3f} MiB" if self.host_peak_bytes else "")
                 + (f"; not counted: {outside / MiB:.3f} MiB the device held beyond them" if outside else ""))
 
 
@@ -340,11 +414,14 @@ def measure_step(fn: Callable[[], object], *, pre_existing: Optional[dict] = Non
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        HOST_BYTES.reset_peak()
+        host_base = HOST_BYTES.live
         result = fn()
         del result
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         after = torch.cuda.memory_allocated(device)
+        host_peak = HOST_BYTES.peak - host_base
         by_cat, registered = _distinct_bytes_by_category(pre_existing)
         # What the device held before the step beyond the tensors named
         # (cuBLAS's workspaces: one per handle, and the autograd thread has
@@ -355,7 +432,7 @@ def measure_step(fn: Callable[[], object], *, pre_existing: Optional[dict] = Non
             by_cat["unregistered"] = base - registered
         return StepMemory(peak_bytes=registered + peak - base, baseline_bytes=registered,
                           baseline_by_category=by_cat, peak_above_baseline=peak - base,
-                          live_after_bytes=after - base)
+                          live_after_bytes=after - base, host_peak_bytes=host_peak)
 
     tracker = StorageTracker()
     for cat, tensors in pre_existing.items():
@@ -367,4 +444,5 @@ def measure_step(fn: Callable[[], object], *, pre_existing: Optional[dict] = Non
         del result
     return StepMemory(peak_bytes=base + tracker.peak_bytes, baseline_bytes=base,
                       baseline_by_category=by_cat, peak_above_baseline=tracker.peak_bytes,
-                      live_after_bytes=tracker.live_bytes - tracker.freed_baseline_bytes)
+                      live_after_bytes=tracker.live_bytes - tracker.freed_baseline_bytes,
+                      host_peak_bytes=tracker.host_peak_bytes)

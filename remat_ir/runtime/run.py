@@ -4,6 +4,8 @@ Used by `remat-run` and the benchmark scripts.  Measurement (CPU: a storage
 tracking dispatch mode; CUDA: `torch.cuda.max_memory_allocated`) covers one
 training step, forward and `loss.backward()`, on top of what exists before it:
 parameters, buffers, inputs, optimizer state and, after the first step, `.grad`.
+A plan that offloads values also has its host pool (their host copies)
+measured apart, against the simulator's `host_peak_bytes`.
 """
 from __future__ import annotations
 
@@ -89,6 +91,9 @@ class RunReport:
     eager_step_times: list[float]
     checks: list[StepCheck] = field(default_factory=list)
     measured_outside: int = 0  # CUDA: what the device held beyond that state (workspaces), not counted
+    # The host pool (copies of offloaded values): its measured peak in the first and a later step.
+    measured_first_host_peak: int = 0
+    measured_host_peak: int = 0
 
     @property
     def step_time(self) -> float:
@@ -120,8 +125,11 @@ class RunReport:
         return _max_nan(c.max_rel_grad_diff for c in self.checks) if self.checks else None
 
     def within_tolerance(self) -> bool:
+        """Both steps' device peaks, and their host pools' peaks, as predicted (`matches`)."""
         return (matches(self.predicted_first.peak_bytes, self.measured_first_peak)
-                and matches(self.predicted.peak_bytes, self.measured_peak))
+                and matches(self.predicted.peak_bytes, self.measured_peak)
+                and matches(self.predicted_first.host_peak_bytes, self.measured_first_host_peak)
+                and matches(self.predicted.host_peak_bytes, self.measured_host_peak))
 
 
 def _max_nan(xs) -> float:
@@ -276,7 +284,8 @@ def run_plan(program: Program, model: LoadedModel, *, steps: int = 3, device: st
         predicted=simulate(at, grads_present=True, optim_state_bytes=opt_bytes),
         measured_first_peak=first.peak_bytes, measured_peak=later.peak_bytes,
         measured_baseline={k: v for k, v in later.baseline_by_category.items() if k != "unregistered"},
-        measured_outside=later.baseline_by_category.get("unregistered", 0), step_times=[], eager_step_times=[])
+        measured_outside=later.baseline_by_category.get("unregistered", 0), step_times=[], eager_step_times=[],
+        measured_first_host_peak=first.host_peak_bytes, measured_host_peak=later.host_peak_bytes)
 
     # Eager gets its own module and inputs (a model may update an input in place).
     eager_module = unwrap(copy.deepcopy(module)).train()
