@@ -66,6 +66,13 @@ def link(device: str) -> Link:
     return LINKS.get(str(device).split(":")[0], LINKS["cuda"])
 
 
+def link_text(device: str) -> str:
+    """The link `device`'s copies are costed with, for reports."""
+    lk = link(device)
+    return (f"{lk.bandwidth / 1e9:g} GB/s and {lk.latency * 1e6:g} us a copy, {lk.throughput / 1e12:g} TFLOP/s: "
+            f"defaults for {str(device).split(':')[0]}, not measured")
+
+
 def copy_cost(nbytes: int, device: str, model: str) -> float:
     """One host copy of `nbytes` (either way) in cost model `model`:
     microseconds under `profile`, FLOPs the device could have run under `flops`."""
