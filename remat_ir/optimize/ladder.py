@@ -111,7 +111,7 @@ class LadderMemo:
             self.bound_to = key
             self.programs[()] = program
         elif self.bound_to[0] is not program or self.bound_to[1:] != key[1:]:
-            raise ValueError("this ladder memo holds what another program, scope, offload or setting learned")
+            raise ValueError("this ladder memo holds what another program, scope or setting learned")
         return self
 
 
