@@ -336,7 +336,7 @@ class AutoRemat(WrappedModule):
         model's own limit (`config.max_position_embeddings`), else the
         largest size seen so far."""
         from remat_ir.ir import sizes as sz
-        from remat_ir.ir.budgets import host_budget_bytes, parse_budget
+        from remat_ir.ir.budgets import parse_budget
 
         seen = dict(zip(call.names, self._seen.get(call.shape_class(), [])))
         high: dict[str, int] = {}
@@ -694,8 +694,8 @@ def _cache_mismatch(cached, traced, options: dict, nbytes: int | None = None) ->
     its scope, of the bytes asked (`nbytes`: the budget resolved for the
     traced step; without it, a fraction and "floor" are resolved by planning,
     so only their scope is checked); the traced step's optimizer and cost
-    model."""
-    from remat_ir.ir.budgets import parse_budget
+    model; the host budget asked (none without offload)."""
+    from remat_ir.ir.budgets import host_budget_bytes, parse_budget
 
     have, want, scope = cached.budget, options["budget"], options["scope"]
     made = "without a budget" if have is None else f"for a budget of {have.bytes} bytes ({have.scope})"

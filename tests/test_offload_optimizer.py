@@ -376,3 +376,18 @@ def test_wrap_offload_options_are_checked_and_keyed(tmp_path, monkeypatch):
     plain = AutoRemat(torch.nn.Linear(4, 4), budget=0.5)
     off = AutoRemat(torch.nn.Linear(4, 4), budget=0.5, offload=True)
     assert "offload" not in plain.options and off.options["offload"] is True
+
+
+def test_a_cached_plan_with_offloads_serves_only_an_offload_request():
+    from remat_ir.adopt import _not_serving
+    from remat_ir.ir.parser import parse_program
+
+    from test_offload import TINY, tiny
+
+    program, plan = parse_program(TINY, "tiny.rir"), tiny()
+    asked = dict(budget=None, scope="activations", optimizer="none", cost="flops")
+    assert "made with offloads" in _not_serving(plan, program, asked)
+    assert _not_serving(plan, program, dict(asked, offload=True, host_budget=None)) is None
+    assert "asked 100 bytes" in _not_serving(plan, program, dict(asked, offload=True, host_budget=100))
+    plan.header.host_budget = 100
+    assert _not_serving(plan, program, dict(asked, offload=True, host_budget=100)) is None
