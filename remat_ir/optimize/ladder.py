@@ -189,13 +189,15 @@ class _Ladder:
     def rung_settings(self, rung: tuple) -> Settings:
         """A rewritten graph past `flat_floor_decisions` is planned block by
         block when it has blocks: the flat search's floor proof, which decides
-        each rung, grows too slow (minutes at 120 decisions)."""
+        each rung, grows too slow (minutes at 120 decisions).  An offload rung
+        of the graph itself is planned as the graph is (its floor is searched
+        flat up to `flat_max_decisions`, within the flat search's work limit)."""
         m = self.memo
         if rung not in m.settings:
             st = self.settings
             p = self.problem(rung)
             big = len(p.decisions) > st.flat_floor_decisions and p.decomposition.blocks >= 2
-            if rung == OWN_BLOCKS or (rung and big):
+            if rung == OWN_BLOCKS or (rewrites_of(rung) and big):
                 st = replace(st, decompose=True)
             m.settings[rung] = st
         return m.settings[rung]
