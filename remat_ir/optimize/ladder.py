@@ -325,7 +325,7 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
     steps = lad.steps()
     m = lad.memo
     if m.floor_rung is None:
-        own = lad.own_rung(steps)
+        own = lad.own_rung(lad.rewrite_steps())
         best = (lad.floor_of(own), own)
         offs = lad.offload_steps()
         if offs and lad.floor_of(offs[-1]) < best[0] and lad.host_ok(offs[-1]):
@@ -367,13 +367,17 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         # `--budget floor`: the floor rung's floor plan (its memo holds it).
         return _finish(lad, lad.optimize(m.floor_rung, budget, prove=True), t0, budget)
     steps = lad.steps()
+    # The graph itself is searched as without offload (the offload rungs
+    # change no plan recomputation alone finds): its own rung and whether
+    # its search proves its floor follow the rewrite rungs alone.
+    rewrites = lad.rewrite_steps()
     try:
-        own = lad.own_rung(steps)
+        own = lad.own_rung(rewrites)
         if own == OWN_BLOCKS and lad.floor_of(own) > budget:
             # A large graph: its block-by-block floor (seconds) says whether
             # to search it at all, not a flat search (a minute) that fails.
             raise Infeasible("below the graph's own floor", lad.floor_of(own), budget, scope)
-        return _finish(lad, lad.optimize((), budget, prove=not steps), t0, budget)
+        return _finish(lad, lad.optimize((), budget, prove=not rewrites), t0, budget)
     except Infeasible:
         if not steps:
             raise
