@@ -311,8 +311,8 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
           scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, offload: bool = False,
           host_budget: int | None = None, **given) -> OptimizeResult:
     """The smallest peak the optimizer reaches: the graph's own floor, or
-    (with `offload`) the last offload rung's when lower and within the host
-    budget, or the last rewrite rung's (the most chunks) when that is lower
+    (with `offload`) the last offload rung's when lower and its floor plan
+    within the host budget (else the one before), or the last rewrite rung's (the most chunks) when that is lower
     still; the result's plan is that rung's floor plan.  When the last
     family of rewrite rungs (chunked attention, or the late tied gradient)
     does not lower the floor below the family before it, that one's last
@@ -327,9 +327,10 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
     if m.floor_rung is None:
         own = lad.own_rung(lad.rewrite_steps())
         best = (lad.floor_of(own), own)
-        offs = lad.offload_steps()
-        if offs and lad.floor_of(offs[-1]) < best[0] and lad.host_ok(offs[-1]):
-            best = (lad.floor_of(offs[-1]), offs[-1])
+        for off in reversed(lad.offload_steps()):  # (the lowest whose floor plan keeps to the host budget)
+            if lad.floor_of(off) < best[0] and lad.host_ok(off):
+                best = (lad.floor_of(off), off)
+                break
         rw = lad.rewrite_steps()
         ends = [i for i in range(len(rw)) if i + 1 == len(rw) or _family(rw[i + 1]) != _family(rw[i])]
         last = None
