@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from remat_ir.ir.budgets import DEFAULT_TIME_LIMIT, is_floor
-from remat_ir.ir.types import DEFAULT_SCOPE
+from remat_ir.ir.types import DEFAULT_SCOPE, TRANSFER_INSTRS
 from remat_ir.runtime.bind import LiveGuard, ModelGuard
 from remat_ir.runtime.interpret import PlanRunner, WrappedModule, planner, unwrap  # noqa: F401 (re-exported)
 
@@ -82,7 +82,7 @@ def _uses_fsdp(model) -> bool:
 def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: str = DEFAULT_SCOPE,
          optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
          solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, check_model: bool = True,
-         dynamic: bool = True, max_shape: dict | None = None):
+         dynamic: bool = True, max_shape: dict | None = None, offload: bool = False, host_budget=None):
     """`model`, whose training steps run by a remat-ir plan.
 
     With `plan` (a Program or a `.rir` path): that plan, as
@@ -108,7 +108,13 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     exact shape.  `max_shape`: input name -> the largest shape the calls
     will have ({"input_ids": (8, 512)}; None for a dimension left to the
     default): the range a symbolic plan covers, which a fraction of a budget
-    refers to."""
+    refers to.
+
+    `offload`: where recomputation alone cannot fit the budget, the plans
+    may also offload activations to host memory between forward and
+    backward (`remat_ir.fit`; eager's bits); `host_budget` (bytes or a size)
+    bounds what they hold on the host.  Both are part of the plan cache's
+    key.  Not with a model sharded with `fully_shard` yet."""
     from remat_ir.ir.types import Program
     from remat_ir.runtime.interpret import adopt, unwrap
 
@@ -123,6 +129,9 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     if plan is not None:
         if budget is not None:
             raise ValueError("give wrap() a plan or a budget, not both: the plan already fits its budget")
+        if offload or host_budget is not None:
+            raise ValueError("offload and host_budget say how wrap() plans for a budget; a plan given already "
+                             "says what it offloads")
         if isinstance(plan, (str, os.PathLike)):
             from remat_ir.ir.files import load_plan
 
@@ -139,8 +148,13 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
     # A budget or time limit that is no positive, finite amount fails here, not at the first step.
     pipeline.check_budget(budget)
     pipeline.check_time_limit(time_limit)
+    pipeline.check_host_budget(host_budget, offload)
     if _uses_fsdp(model):
         from remat_ir.runtime.fsdp import FSDPRemat
+
+        if offload:
+            raise NotImplementedError("offload with a model sharded with fully_shard is not supported yet: its "
+                                      "units' plans recompute only")
 
         unwrap(model)  # wrapped again: the new options replace the old (a unit's forward included)
         return adopt(model, FSDPRemat(model, loss, unit_planner=AutoRemat, budget=budget, scope=scope,
@@ -148,7 +162,8 @@ def wrap(model: torch.nn.Module, plan=None, loss=None, *, budget=None, scope: st
                                       solver=solver, cache=cache, max_plans=max_plans))
     return adopt(model, AutoRemat(model, loss, budget=budget, scope=scope, optimizer=optimizer, cost=cost,
                                   effort=effort, time_limit=time_limit, solver=solver, cache=cache,
-                                  max_plans=max_plans, dynamic=dynamic, max_shape=max_shape))
+                                  max_plans=max_plans, dynamic=dynamic, max_shape=max_shape, offload=offload,
+                                  host_budget=host_budget))
 
 
 class AutoRemat(WrappedModule):
@@ -158,7 +173,7 @@ class AutoRemat(WrappedModule):
     def __init__(self, model: torch.nn.Module, loss_fn=None, *, budget=None, scope: str = DEFAULT_SCOPE,
                  optimizer: str = "none", cost: str = "flops", effort: str | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
                  solver: str = "HIGHS", cache: bool = True, max_plans: int = 8, dynamic: bool = False,
-                 max_shape: dict | None = None):
+                 max_shape: dict | None = None, offload: bool = False, host_budget=None):
         from remat_ir import pipeline
 
         if not isinstance(model, torch.nn.Module):
@@ -168,11 +183,14 @@ class AutoRemat(WrappedModule):
             raise ValueError(f"scope must be one of {', '.join(pipeline.SCOPES)}, not {scope!r}")
         pipeline.check_budget(budget)
         pipeline.check_time_limit(time_limit)
+        pipeline.check_host_budget(host_budget, offload)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, not {max_plans}")
         super().__init__(model, loss_fn)
         self.options = dict(budget=budget, scope=scope, optimizer=optimizer, cost=cost, effort=effort,
                             time_limit=time_limit, solver=solver)
+        if offload:  # (part of the cache key; without offload the key is what it always was)
+            self.options.update(offload=True, host_budget=host_budget)
         self.cache_plans = cache
         self.max_plans = max_plans
         self.dynamic = dynamic
@@ -486,6 +504,8 @@ class AutoRemat(WrappedModule):
             effort = {} if o["effort"] is None else {"effort": o["effort"]}
             self.solves += o["budget"] is not None
             fit = dict(scope=o["scope"], time_limit=o["time_limit"], solver=o["solver"], **effort)
+            if o.get("offload"):
+                fit.update(offload=True, host_budget=o["host_budget"])
             try:
                 plan = pipeline.fit(program, o["budget"], **fit) if traced is not None else \
                     self._fit_alone(program, fit)
@@ -644,6 +664,8 @@ def _not_serving(plan, program, options: dict) -> str | None:
                                                                                       sizes=plan.header.sizes))
             at = sz.instantiate(ranged, sz.ends(ranged)[-1], refingerprint=False)
         nbytes = pipeline.budget_bytes(at, budget, scope)
+    if not options.get("offload") and any(i.kind in TRANSFER_INSTRS for i in plan.forward + plan.backward):
+        return "made with offloads to the host, asked without offload"
     problem = _cache_mismatch(plan.header, program.header, options, nbytes)
     if problem is not None or plan.header.budget is None:
         return problem
@@ -672,8 +694,8 @@ def _cache_mismatch(cached, traced, options: dict, nbytes: int | None = None) ->
     its scope, of the bytes asked (`nbytes`: the budget resolved for the
     traced step; without it, a fraction and "floor" are resolved by planning,
     so only their scope is checked); the traced step's optimizer and cost
-    model."""
-    from remat_ir.ir.budgets import parse_budget
+    model; the host budget asked (none without offload)."""
+    from remat_ir.ir.budgets import host_budget_bytes, parse_budget
 
     have, want, scope = cached.budget, options["budget"], options["scope"]
     made = "without a budget" if have is None else f"for a budget of {have.bytes} bytes ({have.scope})"
@@ -689,6 +711,10 @@ def _cache_mismatch(cached, traced, options: dict, nbytes: int | None = None) ->
             amount = amount if kind == "bytes" else nbytes
             if amount is not None and have.bytes != amount:
                 return f"made {made}, {asked}: {amount} bytes"
+    host = host_budget_bytes(options.get("host_budget"))
+    if cached.host_budget != host:
+        return (f"made for host budget {cached.host_budget} bytes" if cached.host_budget is not None
+                else "made without a host budget") + (f", asked {host} bytes" if host is not None else ", asked none")
     if cached.optim != traced.optim:
         return f"made for optimizer {cached.optim}, asked {traced.optim}"
     if cached.cost != traced.cost:

@@ -51,8 +51,8 @@ from remat_ir.ir import budgets, sizes
 from remat_ir.ir.fingerprint import fingerprint
 from remat_ir.ir.types import DEFAULT_SCOPE, OPTIMIZER_STATES, SCOPES
 
-__all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "check_budget", "check_time_limit",
-           "compile", "fit", "optimizer_settings", "plan_device", "trace", "trace_builtin"]
+__all__ = ["BudgetError", "CompileStats", "UnsoundPlan", "budget_bytes", "check_budget", "check_host_budget",
+           "check_time_limit", "compile", "fit", "optimizer_settings", "plan_device", "trace", "trace_builtin"]
 
 TIME_LIMIT = budgets.DEFAULT_TIME_LIMIT
 
@@ -215,11 +215,12 @@ def trace_builtin(name: str, batch: int | None = None, seq: int | None = None, *
 
 def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_limit: float = TIME_LIMIT,
                  solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-                 memo=None, exact: bool = False) -> int:
+                 memo=None, exact: bool = False, offload: bool = False, host_budget=None) -> int:
     """`budget` (see the module's docstring) in bytes, for `program` in
     `scope`.  Raises BudgetError when it cannot be read.  A fraction is of
     the traced step's unoptimized peak; "floor" is the smallest peak any
-    plan reaches, with the graph rewrites `exact` allows.  `memo`: see `fit`."""
+    plan reaches, with the graph rewrites `exact` allows (and, with
+    `offload`, offloads within `host_budget`).  `memo`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     time_limit = check_time_limit(time_limit)
@@ -227,7 +228,8 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
         if budgets.is_floor(budget):
             from remat_ir.optimize import ladder
 
-            r = ladder.floor(program, optimizer_settings(solver, effort, time_limit), memo, scope=scope, exact=exact)
+            r = ladder.floor(program, optimizer_settings(solver, effort, time_limit), memo, scope=scope, exact=exact,
+                             offload=offload, host_budget=check_host_budget(host_budget, offload))
             if stats is not None:
                 stats.add_stages(r.stages)
                 stats.solves += r.solves
@@ -244,6 +246,18 @@ def budget_bytes(program: Program, budget, scope: str = DEFAULT_SCOPE, *, time_l
     return nbytes
 
 
+def check_host_budget(host_budget, offload: bool) -> int | None:
+    """`host_budget` in bytes (None: none); BudgetError for what cannot be
+    read, ValueError for a host budget without `offload`."""
+    if host_budget is not None and not offload:
+        raise ValueError("a host budget bounds what offloaded copies hold on the host: give offload=True "
+                         "(remat-compile --offload) with it")
+    try:
+        return budgets.host_budget_bytes(host_budget)
+    except ValueError as e:
+        raise BudgetError(str(e)) from None
+
+
 def _verified(program: Program, stats: CompileStats | None) -> Program:
     from remat_ir.check.verify import verify
 
@@ -256,7 +270,7 @@ def _verified(program: Program, stats: CompileStats | None) -> Program:
 
 def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit: float = TIME_LIMIT,
         solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
-        memo=None, exact: bool = False) -> Program:
+        memo=None, exact: bool = False, offload: bool = False, host_budget=None) -> Program:
     """The plan for `program` (as `trace` returns it) whose predicted peak in
     `scope` fits `budget`, verified; without a budget, `program` itself,
     verified.  When recomputation alone cannot fit the budget, the optimizer
@@ -269,14 +283,23 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
     (`remat_ir.optimize.ladder.LadderMemo()`): the work done for one budget
     serves the next.  A budget or `time_limit` that is no
     positive, finite amount is refused before any work (BudgetError,
-    ValueError)."""
+    ValueError).
+
+    `offload`: where recomputation alone cannot fit the budget, activations
+    may also be offloaded to host memory between forward and backward
+    (`offload`/`reload`/`wait` instructions; eager's bits, so allowed under
+    `exact`), before any graph rewrite is tried (`remat_ir.optimize.ladder`);
+    without it a plan is exactly as before.  `host_budget` (bytes or a
+    size, with `offload`): the most the plan's offloaded copies may hold on
+    the host at once, written as the plan's `host_budget` line."""
     check_budget(budget)
     time_limit = check_time_limit(time_limit)
+    host_bytes = check_host_budget(host_budget, offload)
     if budget is None:
         return _verified(program, stats)
     if sizes.is_symbolic(program):
         return _fit_symbolic(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort,
-                             stats=stats, exact=exact)
+                             stats=stats, exact=exact, offload=offload, host_budget=host_bytes)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     from remat_ir.optimize import ladder
@@ -287,9 +310,10 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
 
     try:
         nbytes = budget_bytes(program, budget, scope, time_limit=time_limit, solver=solver, effort=effort,
-                              stats=stats, memo=memo, exact=exact)
+                              stats=stats, memo=memo, exact=exact, offload=offload, host_budget=host_bytes)
         with _Clock(stats, "optimize"):
-            result = ladder.optimize(program, nbytes, settings, memo, scope=scope, exact=exact)
+            result = ladder.optimize(program, nbytes, settings, memo, scope=scope, exact=exact, offload=offload,
+                                     host_budget=host_bytes)
     except SimulationError as e:
         # The optimizer's own schedule of the traced graph is wrong: no plan, said with the node it
         # trips on, as a budget that cannot be met (a caller that falls back on one does so here).
@@ -300,6 +324,8 @@ def fit(program: Program, budget=None, *, scope: str = DEFAULT_SCOPE, time_limit
         stats.add_stages(result.stages)
         stats.solves += result.solves
     header = result.program.header
+    if host_bytes is not None:
+        header.host_budget = host_bytes
     if header.rewrites:
         from remat_ir.rewrite import describe
 
@@ -330,7 +356,7 @@ def _fit_symbolic(program: Program, budget, **options) -> Program:
     if plan.header.rewrites:
         raise BudgetError(f"at {at} the budget is below what recomputation alone reaches, and a plan for every "
                           "size cannot rewrite the graph; raise the budget, or plan each size on its own")
-    header = msgspec.structs.replace(program.header, budget=plan.header.budget,
+    header = msgspec.structs.replace(program.header, budget=plan.header.budget, host_budget=plan.header.host_budget,
                                      comment=plan.header.comment + [f"schedule chosen at {at}, the largest "
                                                                     "sizes of the range"])
     out = msgspec.structs.replace(program, header=header, forward=plan.forward, backward=plan.backward)
@@ -342,7 +368,8 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
             fake: bool = False, cost: str = COST_FLOPS, profile_repeats: int = 5, time_limit: float = TIME_LIMIT,
             solver: str = "HIGHS", effort: str = "fast", stats: CompileStats | None = None,
             device: str | None = None, exact: bool = False, autocast: str | None = None,
-            dynamic: bool = False, max_sizes: dict[str, int] | None = None) -> Program:
+            dynamic: bool = False, max_sizes: dict[str, int] | None = None, offload: bool = False,
+            host_budget=None) -> Program:
     """Trace one training step of `model(*args, **kwargs)` and plan it for `budget`
     (None: the unoptimized plan); the plan returned verifies.
 
@@ -360,12 +387,14 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
     total budget include.  `effort` (graphs over 192 decisions, which are
     decomposed): "fast" stops each per-block MILP at a node limit; "full"
     solves each to its gap tolerance.  Either way the plan depends on the
-    model, the budget and the options alone.  `exact`: see `fit`."""
+    model, the budget and the options alone.  `exact`, `offload` and
+    `host_budget`: see `fit`."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     # Before the trace, which can take minutes.
     check_budget(budget)
     check_time_limit(time_limit)
+    check_host_budget(host_budget, offload)
     if budget is not None:
         optimizer_settings(solver, effort, time_limit)
     dims = None
@@ -386,7 +415,7 @@ def compile(model, args=(), kwargs: dict | None = None, *, loss: Callable | None
         program.header.sizes = widen(program, max_sizes)
         program.header.fingerprint = fingerprint(program)
     return fit(program, budget, scope=scope, time_limit=time_limit, solver=solver, effort=effort, stats=stats,
-               exact=exact)
+               exact=exact, offload=offload, host_budget=host_budget)
 
 
 def widen(program: Program, max_sizes: dict[str, int]) -> list[str]:

@@ -71,6 +71,13 @@ def _compile_parser() -> argparse.ArgumentParser:
                    help="allow only graph rewrites that keep eager's bits (the BatchNorm split, the "
                         "chunked loss), not chunked attention, whose batched matmuls over fewer matrices "
                         "may take another kernel")
+    p.add_argument("--offload", action="store_true",
+                   help="where recomputation alone cannot fit --budget, also offload activations to host "
+                        "memory between forward and backward (eager's bits: allowed with --exact), before any "
+                        "graph rewrite")
+    p.add_argument("--host-budget", metavar="BYTES",
+                   help="with --offload: the most the offloaded copies may hold on the host at once (bytes, "
+                        "8GiB, 800MB), written as the plan's host_budget line")
     p.add_argument("--cost", default="flops", choices=["flops", "profile"],
                    help="what recomputation costs: FLOPs per aten op (default), or each op's run time "
                         "measured on --device (needs real tensors: not with --fake)")
@@ -130,7 +137,8 @@ def _compile(argv) -> int:
     from remat_ir.ir.printer import with_lines
     from remat_ir.ir.types import DEFAULT_SCOPE
     from remat_ir.pipeline import (
-        BudgetError, CompileStats, UnsoundPlan, budget_bytes, check_budget, check_time_limit, fit, trace,
+        BudgetError, CompileStats, UnsoundPlan, budget_bytes, check_budget, check_host_budget, check_time_limit, fit,
+        trace,
     )
     from remat_ir.runtime.load import check_device, load_model
 
@@ -158,6 +166,14 @@ def _compile(argv) -> int:
         check_budget(args.budget)
     except BudgetError as e:
         raise CliError(f"--budget: {e}") from None
+    if args.host_budget is not None and not args.offload:
+        raise CliError("--host-budget bounds what offloaded copies hold on the host: add --offload")
+    try:
+        check_host_budget(args.host_budget, args.offload)
+    except BudgetError as e:
+        raise CliError(f"--host-budget: {str(e).removeprefix('host budget: ')}") from None
+    if args.offload and args.budget is None:
+        raise CliError("--offload says how a plan may fit --budget: give --budget")
     if args.autocast is not None:
         from remat_ir.trace.calls import parse_autocast
 
@@ -198,6 +214,8 @@ def _compile(argv) -> int:
     solve = dict(scope=args.scope, time_limit=args.time_limit, solver=args.solver, effort=args.effort)
     rows = None
     exact = dict(exact=args.exact)
+    if args.offload:  # (without it, fit's arguments are what they always were)
+        exact.update(offload=True, host_budget=args.host_budget)
     # The step is traced in train mode whatever mode the model is in: say so.
     in_eval = [name for name, m in model.module.named_modules() if not m.training]
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from remat_ir.check.simulate import CATEGORIES, STEP_CATEGORIES, MemoryReport
 from remat_ir.ir import COST_FLOPS, COST_PROFILE, Program
-from remat_ir.ir.costs import overhead
+from remat_ir.ir.costs import link_text, overhead, transfer_cost
 from remat_ir.ir.printer import human_bytes  # the one byte formatter, as in the .rir comments
 
 
@@ -43,11 +43,11 @@ def breakdown(program: Program, steady: MemoryReport, first: MemoryReport) -> st
         lines.append(f"  largest tensors live at the peak: {names}")
     recomputes = [i for i in program.forward + program.backward if i.kind == "recompute"]
     if recomputes:
-        extra, total = overhead(program, COST_FLOPS)
+        extra, total = overhead(program, COST_FLOPS, copies=False)
         lines.append(f"  recomputed ops: {len(recomputes)}, extra compute {extra / 1e9:.3f} GFLOP "
                      f"({100 * extra / max(total, 1):.1f}% of the step)")
         if program.header.cost == COST_PROFILE:
-            t_extra, t_total = overhead(program, COST_PROFILE)
+            t_extra, t_total = overhead(program, COST_PROFILE, copies=False)
             lines.append(f"  profiled on {program.header.device}: +{t_extra / 1e3:.2f} ms of op time "
                          f"({100 * t_extra / max(t_total, 1e-9):.1f}% of the step's {t_total / 1e3:.2f} ms)")
     if b is not None:
@@ -59,6 +59,12 @@ def breakdown(program: Program, steady: MemoryReport, first: MemoryReport) -> st
         lines.append(f"  offloaded to the host: {steady.offloads} copies, host pool peak "
                      f"{human_bytes(steady.host_peak_bytes)} at {where(program, steady.host_peak)}"
                      + (f" (host budget {human_bytes(hb)})" if hb is not None else ""))
+        copies = transfer_cost(program)
+        _, total = overhead(program, copies=False)
+        unit = (f"{copies / 1e3:.3f} ms" if program.header.cost == COST_PROFILE
+                else f"{copies / 1e9:.3f} GFLOP of device time")
+        lines.append(f"  the copies cost {unit} ({100 * copies / max(total, 1e-9):.1f}% of the step; "
+                     f"{link_text(program.header.device)})")
     return "\n".join(lines)
 
 

@@ -92,6 +92,21 @@ def parse_budget(budget) -> tuple[str, float | int]:
     return "bytes", budget_int(value * UNITS[unit], budget)
 
 
+def host_budget_bytes(host_budget) -> int | None:
+    """A host budget (what offloaded copies may hold on the host at once) in
+    bytes: bytes or a size ("8GiB"), not a fraction; None for none.  Raises
+    ValueError saying how to write one."""
+    if host_budget is None:
+        return None
+    try:
+        kind, amount = parse_budget(host_budget)
+    except ValueError as e:
+        raise ValueError(f"host budget: {e}") from None
+    if kind != "bytes":
+        raise ValueError(f"host budget {clip(repr(host_budget))} is a fraction; give bytes or a size (\"8GiB\")")
+    return int(amount)
+
+
 # The optimizer's safety stop in seconds, per search: its searches are bounded
 # by counts, not time (remat_ir.optimize.problem.Settings), and a search this
 # stops says so in its plan's header.

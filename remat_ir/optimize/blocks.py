@@ -305,7 +305,7 @@ def _signature(a: Analysis, s: Segment, crossing: set[int], exact: bool = False)
             outs.append((tuple(v.shape), tuple(v.stride), v.dtype, v.nbytes, alias))
             local[o] = len(local)
         parts.append((n.op, args, kwargs, tuple(outs), n.flops, a.kind[i], n.random,
-                      tuple(ref(m) for m in n.mutates)))
+                      tuple(ref(m) for m in n.mutates)) + ((a.cost[i],) if i in a.offload else ()))
     own = [k for k in s.storages if exact or k not in crossing]
     # Backward stages by rank among the ones its storages are read or held at:
     # a stage between them that none of them meets (another block's gradient

@@ -28,6 +28,22 @@ Nodes that may not be recomputed (in-place updates, nodes whose storage is
 updated in place, readers of a storage updated later, forward results) are
 always kept.
 
+Offload (`Analysis(..., offload=...)`): a set of decision nodes is
+*offload-only*: kept, or dropped and *restored* from the host instead of
+recomputed.  For device memory an offloaded node is exactly a dropped node
+whose restore reads none of its inputs: its outputs' storages are live from
+its compute to their ASAP death in forward (where `wait V` releases them in
+place of `free V`; `offload V` is issued right after the compute), and again
+from the lazy restore point (`reload V`, `wait V`, where a `recompute` would
+be) to their last use.  Every storage of it that a plan may need in backward
+travels (`Analysis.owned`), and one not needed after the restore is freed
+right after it, as a recomputed output is.  Views of an offloaded storage
+are recomputed after its reload, as views of a dropped owner are.  So the
+family, its MILP and every search are the same; only what a restore reads
+(`Analysis.rin`: a recompute reads the node's inputs, a reload nothing) and
+what it costs (`Analysis.cost`: the node's compute, or its copies,
+`remat_ir.ir.costs.offload_cost`) differ.
+
 `Analysis` derives, once per program and budget scope, everything the MILPs
 and the schedule builder need: which nodes are decisions, which storages can
 be live in backward, when backward reads them, and the memory of everything
@@ -41,10 +57,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat_ir.ir.costs import node_cost
+from remat_ir.ir.costs import node_cost, offload_cost
 from remat_ir.ir import (
-    BACKWARD, BUFFER, COMPUTE, FORWARD, FREE, GRAD, INPUT, PARAM, RECOMPUTE, RESULT, TANGENT,
-    Instr, Program, node_inputs,
+    BACKWARD, BUFFER, COMPUTE, FORWARD, FREE, GRAD, INPUT, OFFLOAD, PARAM, RECOMPUTE, RELOAD, RESULT, TANGENT,
+    VALUE, WAIT, Instr, Program, node_inputs,
 )
 from remat_ir.check.simulate import ACTIVATIONS, TEMPORARIES, simulate, value_categories
 from remat_ir.ir.types import DEFAULT_SCOPE
@@ -91,16 +107,19 @@ class Storage:
 class Analysis:
     """Facts about a program the optimizer needs; see the module docstring."""
 
-    def __init__(self, program: Program, scope: str = DEFAULT_SCOPE):
+    def __init__(self, program: Program, scope: str = DEFAULT_SCOPE, offload=frozenset()):
         if scope not in ("total", "activations"):
             raise ValueError(f"scope must be 'total' or 'activations', not {scope!r}")
         self.program = program
         self.scope = scope
         values = self.values = program.value_map()
         self.fwd = [n for n in program.nodes if n.phase == FORWARD]
-        # Cost of recomputing each forward node in the plan's cost model: FLOPs, or
+        # Cost of running each forward node in the plan's cost model: FLOPs, or
         # microseconds measured on the device (`remat-compile --cost profile`).
-        self.cost = [node_cost(n, program.header.cost) for n in self.fwd]
+        self.compute_cost = [node_cost(n, program.header.cost) for n in self.fwd]
+        # Cost of restoring each forward node in backward: its recompute, or
+        # (offload-only nodes, set below) its copies.
+        self.cost = list(self.compute_cost)
         self.bwd = _sink_views([n for n in program.nodes if n.phase == BACKWARD], self.fwd, values)
         nf = self.nf = len(self.fwd)
         self.nb = len(self.bwd)
@@ -189,6 +208,17 @@ class Analysis:
                 key[i] = owner if owner is not None and kind[owner] == UNIT else -1
         self.key = key
 
+        # ---- offload-only nodes: what each node's restore reads
+        off = set()
+        for name in offload:
+            i = self.fidx.get(name)
+            why = offload_refused(self, i) if i is not None else "no forward node of this graph"
+            if why:
+                raise ValueError(f"{name} cannot be offloaded: {why}")
+            off.add(i)
+        self.offload = frozenset(off)
+        self.rin = [[] if i in off else ins for i, ins in enumerate(self.fin)]
+
         # ---- backward reads of forward values, and holds by backward views
         reads: dict[str, list[int]] = {}
         reads_all: dict[str, list[int]] = {}  # every forward value read in backward
@@ -212,8 +242,9 @@ class Analysis:
                     holds.setdefault(values[o].storage, []).append(max(j, last_use_b.get(o, j)))
 
         # ---- consumers (forward nodes that may be recomputed and read a value)
+        # (a consumer is a node whose restore reads the value: an offloaded node reads nothing)
         cons: list[list[int]] = [[] for _ in range(nf)]  # node -> consumer nodes
-        for w, ins in enumerate(self.fin):
+        for w, ins in enumerate(self.rin):
             if kind[w] not in (UNIT, VIEW):
                 continue
             for r in ins:
@@ -260,16 +291,38 @@ class Analysis:
             rs = sorted({j for a in al for j in reads.get(a, ())})
             hs = sorted(holds.get(s, ()))
             cs = sorted({w for a in al for w in self.cons[prod_f[a]] if self._reads(w, a)})
-            relevant = rs or hs or any(maybe[w] for w in cs) or maybe[owner]
+            # (a recomputed node makes every output; a reloaded one, those a plan may need)
+            relevant = rs or hs or any(maybe[w] for w in cs) or (maybe[owner] and owner not in off)
             if not relevant:
                 continue
             self.storages.append(Storage(s, values[s].nbytes, owner, al, rs, hs, cs, death[s]))
         self.storage_index = {st.name: k for k, st in enumerate(self.storages)}
+        # Storages each node owns: what an offloaded node moves to the host and back.
+        owned: dict[int, list[int]] = {}
+        for k, st in enumerate(self.storages):
+            owned.setdefault(st.owner, []).append(k)
+        self.owned = owned
+        # An offloaded node's restore cost: its copies, each offload overlapping the
+        # forward compute between it and its wait (`remat_ir.ir.costs`).
+        done = np.concatenate([[0.0], np.cumsum(self.compute_cost)]) if nf else np.zeros(1)
+        for i in off:
+            self.cost[i] = self.transfer_cost(i, done)
 
         self._constants()
 
     def _reads(self, w: int, v: str) -> bool:
-        return v in self.fin[w]
+        return v in self.rin[w]
+
+    def transfer_cost(self, i: int, done=None) -> float:
+        """What restoring node `i` from the host costs: a copy each way of
+        every storage it owns, an offload's only beyond the forward compute
+        between it (after node `i`) and its wait (after the storage's ASAP
+        death).  `done`: prefix sums of the forward nodes' compute costs."""
+        if done is None:
+            done = np.concatenate([[0.0], np.cumsum(self.compute_cost)])
+        h = self.program.header
+        return float(sum(offload_cost(self.storages[k].size, float(done[self.storages[k].asap_death + 1] - done[i + 1]),
+                                      h.device, h.cost) for k in self.owned.get(i, ())))
 
     # ------------------------------------------------------------ constants
 
@@ -388,7 +441,7 @@ class Analysis:
             last[v] = position(js[-1], nf, nf)
         for w, fw in f.items():
             pw = position(fw, w, nf)
-            for r in self.fin[w]:
+            for r in self.rin[w]:
                 if r in self.prod_f and last.get(r, -1) < pw:
                     last[r] = pw
         return last
@@ -429,21 +482,59 @@ class Analysis:
         return out
 
     def _forward_readers(self) -> dict[str, list[int]]:
-        """Forward value -> the forward nodes that read it (made once)."""
+        """Forward value -> the forward nodes whose restore reads it (made once)."""
         r = self.__dict__.get("_readers")
         if r is None:
             r = {}
-            for w, ins in enumerate(self.fin):
+            for w, ins in enumerate(self.rin):
                 for v in dict.fromkeys(ins):
                     r.setdefault(v, []).append(w)
             self.__dict__["_readers"] = r
         return r
 
     def recompute_cost(self, keep: list[bool], f: dict[int, int] | None = None) -> float:
-        """Cost of the recomputes of plan `keep`, in the program's cost model."""
+        """Cost of the restores of plan `keep` (recomputes and host copies), in
+        the program's cost model."""
         if f is None:
             f = self.first_needs(keep)
         return float(sum(self.cost[i] for i in f))
+
+
+# ---------------------------------------------------------------- offload
+
+
+def offload_refused(a: Analysis, i: int) -> str:
+    """Why forward node `i` cannot be offload-only ("" when it can): it must
+    be a decision owning its outputs' storages (not a view, not always
+    kept), each output a value no gradient output is (docs/08-memory-model.md)."""
+    if a.kind[i] != UNIT:
+        return {VIEW: "it makes views", FORCED: "it is always kept (in place, or a storage updated in place)",
+                FIXED: "its outputs are results or inputs' views"}[a.kind[i]]
+    for o in a.fwd[i].outputs:
+        if o and (a.values[o].kind != VALUE or o in a.grads):
+            return f"its output {o} is a gradient output"
+    return ""
+
+
+OFFLOAD_HEAVY, OFFLOAD_ALL = "heavy", "all"
+OFFLOAD_KINDS = (OFFLOAD_HEAVY, OFFLOAD_ALL)
+
+
+def offload_candidates(a: Analysis, which: str) -> frozenset[str]:
+    """The decision nodes an offload rung makes offload-only: "all" (every
+    decision that may be offloaded), or "heavy" (those whose copies cost
+    less than their recompute: matmuls, convolutions, attention, whose
+    compute is large for their bytes).  `a` is the graph's analysis
+    without offload."""
+    if which not in OFFLOAD_KINDS:
+        raise ValueError(f"offload rung must be one of {', '.join(OFFLOAD_KINDS)}, not {which!r}")
+    out = []
+    for i in a.decisions():
+        if offload_refused(a, i) or not a.owned.get(i):
+            continue
+        if which == OFFLOAD_ALL or a.transfer_cost(i) < a.compute_cost[i]:
+            out.append(a.fwd[i].name)
+    return frozenset(out)
 
 
 # ---------------------------------------------------------------- builder
@@ -507,6 +598,14 @@ def build_schedule(a: Analysis, keep: list[bool]) -> tuple[list[Instr], list[Ins
     f = a.first_needs(keep)
     last_need = a.value_needs(keep, f)  # forward value -> last backward position
     kept_out = a.results
+    # Dropped offload-only nodes that backward needs: their storages go to the
+    # host after their compute and come back where a recompute would be.
+    moved = {i: [a.storages[k].name for k in a.owned.get(i, ())] for i in f if i in a.offload}
+    waits_f: dict[int, list[str]] = {}  # forward index -> offloads waited for after it (at the ASAP death)
+    for i in moved:
+        for k in a.owned.get(i, ()):
+            waits_f.setdefault(a.storages[k].asap_death, []).append(a.storages[k].name)
+    on_host = {v for vs in moved.values() for v in vs}
 
     fwd: list[Instr] = []
     last_fwd: dict[str, int] = {}
@@ -516,7 +615,7 @@ def build_schedule(a: Analysis, keep: list[bool]) -> tuple[list[Instr], list[Ins
     frees_f: dict[int, list[str]] = {}
     for i, n in enumerate(a.fwd):
         for o in n.outputs:
-            if not o or o in kept_out:
+            if not o or o in kept_out or o in on_host:  # (an offloaded storage is released by its wait)
                 continue
             retained = keep[i] and o in last_need
             if retained:
@@ -524,8 +623,12 @@ def build_schedule(a: Analysis, keep: list[bool]) -> tuple[list[Instr], list[Ins
             frees_f.setdefault(max(i, last_fwd.get(o, i)), []).append(o)
     for i, n in enumerate(a.fwd):
         fwd.append(Instr(COMPUTE, n.name))
+        for v in moved.get(i, ()):
+            fwd.append(Instr(OFFLOAD, v))
         for o in frees_f.get(i, ()):
             fwd.append(Instr(FREE, o))
+        for v in waits_f.get(i, ()):
+            fwd.append(Instr(WAIT, v))
 
     # Backward: recomputes per stage, then the node; frees at last positions.
     rec_at: dict[int, list[int]] = {}
@@ -536,10 +639,10 @@ def build_schedule(a: Analysis, keep: list[bool]) -> tuple[list[Instr], list[Ins
         if v in kept_out:
             continue
         frees_b.setdefault(p, []).append(v)
-    # Recomputed outputs nothing reads afterwards: freed right after.
+    # Recomputed (or reloaded) outputs nothing reads afterwards: freed right after.
     for i, j in f.items():
         p = position(j, i, nf)
-        for o in a.fwd[i].outputs:
+        for o in (moved[i] if i in moved else a.fwd[i].outputs):
             if o and o not in last_need and o not in kept_out:
                 frees_b.setdefault(p, []).append(o)
     # Backward values and tangents: freed after their last use.
@@ -563,7 +666,10 @@ def build_schedule(a: Analysis, keep: list[bool]) -> tuple[list[Instr], list[Ins
         frees_b.setdefault(position(j, nf, nf), []).append(name)
     for j, n in enumerate(a.bwd):
         for i in sorted(rec_at.get(j, ())):
-            bwd.append(Instr(RECOMPUTE, a.fwd[i].name))
+            if i in moved:
+                bwd += [Instr(RELOAD, v) for v in moved[i]] + [Instr(WAIT, v) for v in moved[i]]
+            else:
+                bwd.append(Instr(RECOMPUTE, a.fwd[i].name))
             for v in frees_b.get(position(j, i, nf), ()):
                 bwd.append(Instr(FREE, v))
         bwd.append(Instr(COMPUTE, n.name))

@@ -17,6 +17,25 @@ below its floor.  Then the rungs, least change first:
                                         K = 2, 4, 8: every softmax attention in K
                                         chunks of its B*H matrices
 
+With `offload=True`, two offload rungs come first (after the BatchNorm
+split, on top of it when there is one), least change first:
+
+    [batchnorm_split,] offload:heavy    the decisions whose copies to the host
+                                        and back cost less than their recompute
+                                        (matmuls, convolutions, attention) are
+                                        kept or offloaded, never recomputed
+    [batchnorm_split,] offload:all      every decision that can be offloaded is
+
+Last, each rewrite family's last rung with the offload rungs on top
+(`lm_head_nll:R, offload:heavy`, ...): the chunked loss removes the
+logits-sized tensors offload cannot move, offload the blocks' activations
+that remain.
+
+An offload rung is no graph rewrite: the graph is the traced one (the
+plan's `rewrites` does not list it, a header comment names it), and it
+keeps eager's bits, so it is tried under `exact` too.  With a host budget,
+an offload rung whose plan's host peak exceeds it does not fit.
+
 Whether a rung fits is decided by its floor when the rewritten graph is
 planned block by block (large graphs, where that search takes seconds),
 else by a node-limited search at the budget, then by the floor.  The rungs
@@ -40,11 +59,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from remat_ir.check.simulate import SimulationError
-from remat_ir.ir import Program
+from remat_ir.check.simulate import SimulationError, simulate
+from remat_ir.ir import OFFLOAD, Program
 from remat_ir.ir.printer import human_bytes
 from remat_ir.ir.types import DEFAULT_SCOPE
 from remat_ir.optimize import search
+from remat_ir.optimize.family import OFFLOAD_ALL, OFFLOAD_HEAVY, offload_candidates
 from remat_ir.optimize.problem import Infeasible, Memo, OptimizeResult, Problem, Settings
 from remat_ir.rewrite import (
     BATCHNORM_SPLIT, BIT_EXACT, CHUNKED_ATTENTION, CHUNKED_LOSS, apply, attention_choices, describe,
@@ -53,6 +73,28 @@ from remat_ir.rewrite import (
 
 OWN_BLOCKS = ("(the graph, block by block)",)  # the graph's own floor searched by blocks
 UNUSABLE = 1 << 62  # the floor of a rung whose rewritten schedule the simulator refuses
+OFFLOAD_RUNG = "offload:"  # a rung's last item "offload:heavy" / "offload:all": no rewrite (module docstring)
+
+
+def offload_of(rung: tuple) -> str | None:
+    """The offload rung's kind ("heavy", "all"), or None for a rung of rewrites only."""
+    return rung[-1][len(OFFLOAD_RUNG):] if rung and rung[-1].startswith(OFFLOAD_RUNG) else None
+
+
+def rewrites_of(rung: tuple) -> tuple:
+    """The graph rewrites of a rung (without its offload item)."""
+    return rung[:-1] if offload_of(rung) else rung
+
+
+def rung_text(rung: tuple) -> str:
+    parts = [describe(list(rewrites_of(rung)))] if rewrites_of(rung) else []
+    if offload_of(rung):
+        parts.append(f"{OFFLOAD_RUNG}{offload_of(rung)}")
+    return ", ".join(parts)
+
+
+class HostOver(Infeasible):
+    """An offload rung's plan holds more on the host than the host budget."""
 
 
 @dataclass
@@ -66,11 +108,13 @@ class LadderMemo:
     floors: dict[tuple, int] = field(default_factory=dict)  # rung -> its floor, once searched
     floor_rung: tuple | None = None  # the rung of the ladder's floor (`floor`), once searched
     unusable: dict[tuple, str] = field(default_factory=dict)  # rung -> why the simulator refuses its plans
+    offloaded: dict[tuple, frozenset] = field(default_factory=dict)  # offload rung -> its offload-only nodes
     blocks: dict = field(default_factory=dict)  # block options, shared by every rung (`Memo.shared`)
     bound_to: tuple | None = None
 
-    def bind(self, program: Program, scope: str, exact: bool, settings: Settings) -> LadderMemo:
-        key = (program, scope, exact, settings)
+    def bind(self, program: Program, scope: str, exact: bool, settings: Settings, offload: bool = False,
+             host_budget: int | None = None) -> LadderMemo:
+        key = (program, scope, exact, settings, offload, host_budget)
         if self.bound_to is None:
             self.bound_to = key
             self.programs[()] = program
@@ -82,16 +126,21 @@ class LadderMemo:
 class _Ladder:
     """One ladder call: the rungs of a program and the searches it ran."""
 
-    def __init__(self, program: Program, scope: str, settings: Settings, memo: LadderMemo, exact: bool, log):
+    def __init__(self, program: Program, scope: str, settings: Settings, memo: LadderMemo, exact: bool, log,
+                 offload: bool = False, host_budget: int | None = None):
         self.program, self.scope, self.settings, self.exact, self.log = program, scope, settings, exact, log
-        self.memo = memo.bind(program, scope, exact, settings)
+        self.offload, self.host_budget = offload, host_budget
+        self.memo = memo.bind(program, scope, exact, settings, offload, host_budget)
         self.results: list[OptimizeResult] = []
         self.stages: dict[str, float] = {}
         self.refused_time_limited = False  # a search that refused its budget was cut short by the time limit
 
-    def steps(self) -> list[tuple]:
+    def base(self) -> tuple:
+        return (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
+
+    def rewrite_steps(self) -> list[tuple]:
         """The rewrite lists to try after the graph itself, least change first."""
-        base = (BATCHNORM_SPLIT,) if has_batchnorm(self.program) else ()
+        base = self.base()
         steps = [base] if base else []
         if not self.exact or BIT_EXACT[CHUNKED_LOSS]:
             rows = loss_rows_of(self.program)
@@ -104,8 +153,51 @@ class _Ladder:
             steps += [last + (f"{CHUNKED_ATTENTION}:{k}",) for k in attention_choices(self.program)]
         return steps
 
+    def offload_steps(self) -> list[tuple]:
+        """The offload rungs (with `offload`), on the graph after the BatchNorm
+        split when it has one: "heavy" when it offloads something and not
+        everything "all" does, then "all"."""
+        if not self.offload:
+            return []
+        heavy, every = (self.base() + (OFFLOAD_RUNG + kind,) for kind in (OFFLOAD_HEAVY, OFFLOAD_ALL))
+        if not self.offloaded(every):
+            return []
+        return ([heavy] if self.offloaded(heavy) and self.offloaded(heavy) != self.offloaded(every) else []) + [every]
+
+    def steps(self) -> list[tuple]:
+        """The rungs to try after the graph itself, least change first: the
+        BatchNorm split, the offload rungs, the other rewrites."""
+        rw = self.rewrite_steps()
+        split = rw[:1] if rw and rw[0] == (BATCHNORM_SPLIT,) else []
+        return split + self.offload_steps() + rw[len(split):] + self.combined_steps(rw[len(split):])
+
+    def combined_steps(self, rewrites: list[tuple]) -> list[tuple]:
+        """With `offload`, last: each rewrite family's last rung with the
+        offload rungs on top (the chunked loss and offload together reach
+        below both: the loss's logits-sized tensors are what offload cannot
+        move, the blocks' activations what the loss leaves)."""
+        if not self.offload:
+            return []
+        ends = [r for i, r in enumerate(rewrites) if i + 1 == len(rewrites) or _family(rewrites[i + 1]) != _family(r)]
+        out = []
+        for r in ends:
+            for kind in (OFFLOAD_HEAVY, OFFLOAD_ALL):
+                rung = r + (OFFLOAD_RUNG + kind,)
+                if self.offloaded(rung) and (kind == OFFLOAD_ALL or self.offloaded(rung) != self.offloaded(
+                        r + (OFFLOAD_RUNG + OFFLOAD_ALL,))):
+                    out.append(rung)
+        return out
+
+    def offloaded(self, rung: tuple) -> frozenset:
+        """The offload-only nodes of an offload rung (its graph's decisions that its kind takes)."""
+        m = self.memo
+        if rung not in m.offloaded:
+            m.offloaded[rung] = offload_candidates(self.problem(rewrites_of(rung)).analysis, offload_of(rung))
+        return m.offloaded[rung]
+
     def rewritten(self, rung: tuple) -> Program:
         m = self.memo
+        rung = rewrites_of(rung)
         if rung not in m.programs:
             m.programs[rung] = apply(self.program, list(rung))
         return m.programs[rung]
@@ -113,20 +205,26 @@ class _Ladder:
     def problem(self, rung: tuple) -> Problem:
         m = self.memo
         if rung not in m.problems:
-            m.problems[rung] = (self.problem(()) if rung == OWN_BLOCKS
-                                else Problem.of(self.rewritten(rung), self.scope))
+            if rung == OWN_BLOCKS:
+                m.problems[rung] = self.problem(())
+            elif offload_of(rung):
+                m.problems[rung] = Problem.of(self.rewritten(rung), self.scope, offload=self.offloaded(rung))
+            else:
+                m.problems[rung] = Problem.of(self.rewritten(rung), self.scope)
         return m.problems[rung]
 
     def rung_settings(self, rung: tuple) -> Settings:
         """A rewritten graph past `flat_floor_decisions` is planned block by
         block when it has blocks: the flat search's floor proof, which decides
-        each rung, grows too slow (minutes at 120 decisions)."""
+        each rung, grows too slow (minutes at 120 decisions).  An offload rung
+        of the graph itself is planned as the graph is (its floor is searched
+        flat up to `flat_max_decisions`, within the flat search's work limit)."""
         m = self.memo
         if rung not in m.settings:
             st = self.settings
             p = self.problem(rung)
             big = len(p.decisions) > st.flat_floor_decisions and p.decomposition.blocks >= 2
-            if rung == OWN_BLOCKS or (rung and big):
+            if rung == OWN_BLOCKS or (rewrites_of(rung) and big):
                 st = replace(st, decompose=True)
             m.settings[rung] = st
         return m.settings[rung]
@@ -145,7 +243,7 @@ class _Ladder:
         except SimulationError as e:
             if rung in ((), OWN_BLOCKS):
                 raise
-            why = self.memo.unusable[rung] = (f"the rewrite {describe(list(rung))} makes a schedule the simulator "
+            why = self.memo.unusable[rung] = (f"the rung {rung_text(rung)} makes a schedule the simulator "
                                               f"refuses ({e}); passed over")
             if self.log:
                 self.log(why)
@@ -155,7 +253,7 @@ class _Ladder:
             raise
         finally:
             label = f"{what} " + ("the graph" if not rung else "the graph by blocks" if rung == OWN_BLOCKS
-                                  else describe(list(rung)))
+                                  else rung_text(rung))
             self.stages[label] = self.stages.get(label, 0.0) + time.perf_counter() - t0
         self.results.append(r)
         return r
@@ -174,9 +272,40 @@ class _Ladder:
 
     def optimize(self, rung: tuple, budget: int, prove: bool = False) -> OptimizeResult:
         r = self._call("search of", rung, search.optimize, budget, prove=prove)
-        if rung:
-            r.program.header.rewrites = list(rung)
+        self.label(rung, r)
         return r
+
+    def label(self, rung: tuple, r: OptimizeResult) -> None:
+        """`r`'s plan as its rung made it: the rewrites in its header; an
+        offload rung's plan checked against the host budget (HostOver) and
+        named in a comment."""
+        if rewrites_of(rung) and rung != OWN_BLOCKS:
+            r.program.header.rewrites = list(rewrites_of(rung))
+        if not offload_of(rung):
+            return
+        copies = [i.target for i in r.program.forward if i.kind == OFFLOAD]
+        if not copies:
+            return
+        host = simulate(r.program, top_k=0).host_peak_bytes
+        if self.host_budget is not None and host > self.host_budget:
+            raise HostOver(f"the plan of {rung_text(rung)} for budget {human_bytes(r.budget or r.predicted_peak)} "
+                           f"holds {human_bytes(host)} on the host, over the host budget "
+                           f"{human_bytes(self.host_budget)}", self.memo.floors.get(rung, 0), r.budget,
+                           self.scope)
+        line = (f"offload rung {rung_text(rung)} (the budget is below what recomputation alone reaches): "
+                f"{len(copies)} values offloaded to the host, host peak {human_bytes(host)}")
+        if line not in r.program.header.comment:
+            r.program.header.comment.append(line)
+
+    def host_ok(self, rung: tuple) -> bool:
+        """Whether the floor plan of `rung` keeps within the host budget."""
+        if not offload_of(rung) or self.host_budget is None:
+            return True
+        try:
+            self.label(rung, self._call("floor of", rung, search.floor))
+        except HostOver:
+            return False
+        return True
 
     def own_rung(self, steps: list) -> tuple:
         """The rung whose floor is the graph's own: the graph itself, or, for
@@ -199,12 +328,13 @@ def _total(r: OptimizeResult) -> float:
 
 
 def _explained(e: Infeasible, specs: tuple, time_limited: bool = False) -> Infeasible:
-    """`e` with the rewrites of the rung it refers to, time-limited when any
-    search of the ladder was."""
+    """`e` with the rung it refers to, time-limited when any search of the
+    ladder was."""
     time_limited = e.time_limited or time_limited
-    if not specs and time_limited == e.time_limited:
+    if isinstance(e, HostOver) or (not specs and time_limited == e.time_limited):
         return e
-    text = f"{e} (with rewrites: {describe(list(specs))})" if specs else str(e)
+    what = "rewrites" if not offload_of(specs) else "rung"
+    text = f"{e} (with {what}: {rung_text(specs)})" if specs else str(e)
     return Infeasible(text, e.floor_bytes, e.budget_bytes, e.scope, time_limited)
 
 
@@ -216,71 +346,88 @@ def _finish(lad: _Ladder, r: OptimizeResult, t0: float, budget: int | None) -> O
 
 
 def floor(program: Program, settings: Settings | None = None, memo: LadderMemo | None = None, *,
-          scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
+          scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, offload: bool = False,
+          host_budget: int | None = None, **given) -> OptimizeResult:
     """The smallest peak the optimizer reaches: the graph's own floor, or
-    the lowest floor of a family's last rung (the most chunks) when that is
-    lower; the result's plan is that rung's floor plan.  A later family
-    (the late tied gradient, chunked attention) is used only when it lowers
-    the floor below the families before it: the same floor with less
-    change and recompute otherwise.  Only each family's last rung is
-    searched (each floor search of a rewritten graph takes seconds)."""
+    (with `offload`) the last offload rung's when lower and its floor plan
+    within the host budget (else the one before), or the last rewrite rung's (the most chunks) when that is lower
+    still; the result's plan is that rung's floor plan.  When the last
+    family of rewrite rungs (chunked attention, or the late tied gradient)
+    is used only when it lowers the floor below the families before it:
+    the same floor with less change and recompute otherwise.  Only each
+    family's last rung is searched (each floor search of a rewritten graph
+    takes seconds)."""
     t0 = time.perf_counter()
     settings = search.settings_of(settings, **given)
-    lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log)
+    lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log, offload,
+                  host_budget)
     steps = lad.steps()
     m = lad.memo
     if m.floor_rung is None:
-        own = lad.own_rung(steps)
+        own = lad.own_rung(lad.rewrite_steps())
         best = (lad.floor_of(own), own)
-        ends = [i for i in range(len(steps)) if i + 1 == len(steps) or _family(steps[i + 1]) != _family(steps[i])]
+        for off in reversed(lad.offload_steps()):  # (the lowest whose floor plan keeps to the host budget)
+            if lad.floor_of(off) < best[0] and lad.host_ok(off):
+                best = (lad.floor_of(off), off)
+                break
+        rw = lad.rewrite_steps()
+        ends = [i for i in range(len(rw)) if i + 1 == len(rw) or _family(rw[i + 1]) != _family(rw[i])]
         last = None
         for i in reversed(ends):  # the last family's floor, then those before it
-            if steps[i] == (BATCHNORM_SPLIT,) and last is not None:
+            if rw[i] == (BATCHNORM_SPLIT,) and last is not None:
                 break
-            f = lad.floor_of(steps[i])
+            f = lad.floor_of(rw[i])
             if last is None or f <= last[0]:
-                last = (f, steps[i])
+                last = (f, rw[i])
         if last is not None and last[0] < best[0]:
             best = last
         m.floor_rung = best[1]
     rung = m.floor_rung
     r = lad._call("floor of", rung, search.floor)
-    if rung and rung != OWN_BLOCKS:
-        r.program.header.rewrites = list(rung)
+    lad.label(rung, r)
     return _finish(lad, r, t0, None)
 
 
 def optimize(program: Program, budget: int, settings: Settings | None = None, memo: LadderMemo | None = None,
-             *, scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, **given) -> OptimizeResult:
+             *, scope: str = DEFAULT_SCOPE, exact: bool = False, log=None, offload: bool = False,
+             host_budget: int | None = None, **given) -> OptimizeResult:
     """The cheapest plan for `budget` the ladder finds; raises Infeasible
     (with the lowest floor found) when none fits.  The graph itself is
     probed by a search that stops at its node limits without proving a
     floor; each rung, by that search and then by its floor; when no rung
     fits, the graph itself once more, by the flat search to its floor where
     that search takes the graph (a rung planned block by block may stop
-    above what the flat search reaches)."""
+    above what the flat search reaches).  `offload`: the offload rungs are
+    tried first (module docstring); `host_budget` (bytes): what their plans
+    may hold on the host."""
     t0 = time.perf_counter()
     budget = int(budget)
     settings = search.settings_of(settings, **given)
-    lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log)
+    lad = _Ladder(program, scope, settings, memo if memo is not None else LadderMemo(), exact, log, offload,
+                  host_budget)
     m = lad.memo
     if m.floor_rung is not None and m.floors.get(m.floor_rung) == budget:
         # `--budget floor`: the floor rung's floor plan (its memo holds it).
         return _finish(lad, lad.optimize(m.floor_rung, budget, prove=True), t0, budget)
     steps = lad.steps()
     own = None
+    # The graph itself is searched as without offload (the offload rungs
+    # change no plan recomputation alone finds): its own rung and whether
+    # its search proves its floor follow the rewrite rungs alone.
+    rewrites = lad.rewrite_steps()
     try:
-        own = lad.own_rung(steps)
+        own = lad.own_rung(rewrites)
         if own == OWN_BLOCKS and lad.floor_of(own) > budget:
             # A large graph: its block-by-block floor (seconds) says whether
             # to search it at all, not a flat search (a minute) that fails.
             raise Infeasible("below the graph's own floor", lad.floor_of(own), budget, scope)
-        return _finish(lad, lad.optimize((), budget, prove=not steps), t0, budget)
+        return _finish(lad, lad.optimize((), budget, prove=not rewrites), t0, budget)
     except Infeasible:
         if not steps:
             raise
     found: dict[int, OptimizeResult] = {}
     tested: dict[int, bool] = {}
+    host_over: list[HostOver] = []  # offload rungs whose plans the host budget refused
 
     def fits(i: int) -> bool:
         # Block by block, the floor search is the cheaper test; flat, a
@@ -294,9 +441,19 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                     found[i] = lad.optimize(rung, budget)
                     tested[i] = True
                     return True
+                except HostOver as e:
+                    host_over.append(e)
+                    tested[i] = False
+                    return False
                 except Infeasible:
                     pass
             tested[i] = lad.floor_of(rung) <= budget
+            if tested[i] and offload_of(rung) and lad.host_budget is not None:
+                try:  # (over the host budget: the rung does not fit)
+                    found[i] = lad.optimize(rung, budget, prove=True)
+                except HostOver as e:
+                    host_over.append(e)
+                    tested[i] = False
         return tested[i]
 
     def plan(i: int) -> OptimizeResult:
@@ -337,7 +494,12 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                 own_error = e
         # Refuse with the lowest floor a rung reached (every family's last
         # was tested; the last rung's need not be the lowest), or the graph's.
-        low = min((i for i in tested if steps[i] in m.floors), key=lambda i: (m.floors[steps[i]], i))
+        floored = [i for i in tested if steps[i] in m.floors]
+        if not floored:  # (only offload rungs, each over the host budget)
+            if own_error is not None:
+                raise own_error
+            raise host_over[0]
+        low = min(floored, key=lambda i: (m.floors[steps[i]], i))
         if own_error is not None and 0 < own_error.floor_bytes <= m.floors[steps[low]]:
             raise own_error
         if m.floors[steps[low]] == UNUSABLE:
@@ -350,7 +512,8 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         except Infeasible as e:
             raise _explained(e, steps[low], lad.time_limited()) from None
     best = plan(lo)
-    if lo + 1 <= family_end(lo) and fits(lo + 1):
+    # (The offload rungs: the least change that fits, "all" only where "heavy" does not.)
+    if lo + 1 <= family_end(lo) and not offload_of(steps[lo]) and fits(lo + 1):
         more = plan(lo + 1)
         if _total(more) < _total(best):
             best = more

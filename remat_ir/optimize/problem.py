@@ -150,12 +150,16 @@ class Problem:
     analysis: Analysis
     decisions: tuple[int, ...]
     base_cost: float  # the step's cost in the plan's cost model (FLOPs, or profiled microseconds)
+    # Offload-only decision nodes (names): kept, or offloaded to the host and
+    # reloaded where backward needs them, never recomputed (`family.py`).
+    offload: frozenset = frozenset()
 
     @classmethod
-    def of(cls, program: Program, scope: str = DEFAULT_SCOPE) -> Problem:
-        a = Analysis(program, scope)
+    def of(cls, program: Program, scope: str = DEFAULT_SCOPE, offload=frozenset()) -> Problem:
+        offload = frozenset(offload)
+        a = Analysis(program, scope, offload)
         return cls(program, scope, a, tuple(a.decisions()),
-                   float(sum(node_cost(n, program.header.cost) for n in program.nodes)))
+                   float(sum(node_cost(n, program.header.cost) for n in program.nodes)), offload)
 
     @cached_property
     def decomposition(self):
