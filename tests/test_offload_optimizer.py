@@ -391,3 +391,51 @@ def test_a_cached_plan_with_offloads_serves_only_an_offload_request():
     assert "asked 100 bytes" in _not_serving(plan, program, dict(asked, offload=True, host_budget=100))
     plan.header.host_budget = 100
     assert _not_serving(plan, program, dict(asked, offload=True, host_budget=100)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_wrap_offloads_sliding_window_families_recomputation_refuses_at_0_3(tmp_path, monkeypatch, family):
+    """Two transformers families with a sliding window and a padded mask,
+    whose budget 0.3 recomputation alone (and the chunked loss) cannot meet:
+    with `offload=True` three AdamW steps through `wrap` give eager's
+    gradients bitwise, and each step's measured device peak is the plan's."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import remat_ir
+    from remat_ir.models.families import FAMILIES
+    from remat_ir.pipeline import BudgetError, fit, trace
+    from remat_ir.runtime.memtrack import measure_step
+
+    monkeypatch.setenv("REMAT_IR_CACHE", str(tmp_path))
+    model, call = FAMILIES[family](0)
+    eager = copy.deepcopy(model)
+    with pytest.raises((Infeasible, BudgetError)):
+        fit(trace(copy.deepcopy(model), (), call, loss=lambda out, *a, **k: out.loss), 0.3)
+    wrapped = remat_ir.wrap(model, budget=0.3, offload=True)
+    opt, opt_eager = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    for step in range(3):
+        params = list(model.parameters())
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        grads_present = any(p.grad is not None for p in params)
+        pre = {"params": params, "buffers": list(model.buffers()), "inputs": list(call.values()), "optimizer": state}
+        if grads_present:
+            pre["grads"] = [p.grad for p in params if p.grad is not None]
+        torch.manual_seed(step)
+        measured = measure_step(lambda: wrapped(**call).loss.backward(), pre_existing=pre)
+        torch.manual_seed(step)
+        eager(**call).loss.backward()
+        for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+            assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), \
+                (step, name)
+        plan = remat_ir.planner(wrapped).plan_of(**call)
+        assert plan is not None and any(i.kind == OFFLOAD for i in plan.forward)
+        predicted = simulate(plan, grads_present=grads_present,
+                             optim_state_bytes=sum(t.untyped_storage().nbytes() for t in state))
+        assert 0 <= measured.peak_bytes - predicted.peak_bytes <= 4, step
+        assert measured.host_peak_bytes == predicted.host_peak_bytes > 0
+        for o in (opt, opt_eager):
+            o.step()
+            o.zero_grad()
+    assert remat_ir.planner(wrapped).solves == 1

@@ -381,6 +381,10 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
                 last = (f, rw[i])
         if last is not None and last[0] < best[0]:
             best = last
+        for both in reversed(lad.combined_steps(rw[1:] if rw and rw[0] == (BATCHNORM_SPLIT,) else rw)):
+            if lad.floor_of(both) < best[0] and lad.host_ok(both):
+                best = (lad.floor_of(both), both)
+                break
         m.floor_rung = best[1]
     rung = m.floor_rung
     r = lad._call("floor of", rung, search.floor)
