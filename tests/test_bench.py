@@ -98,3 +98,35 @@ def test_backend_rows(tmp_path):
     assert rows["backend-0.02"]["status"].startswith("n/a (infeasible: a region's floor is"), rows["backend-0.02"]
     assert "| remat-ir backend aot_eager, budget 0.9 |" in (tmp_path / "b.md").read_text()
     assert [s.key for s in select(method_specs([0.5]), "backend")] == ["eager", "backend-0.5"]
+
+
+def test_offload_rows(tmp_path):
+    # Below remat-ir's recompute-only floor (gpt2-tiny, 2 x 64: 0.27 of the
+    # unoptimized activation peak) the plan with offload runs: bitwise, its
+    # device and host peaks measured as predicted; torch's save_on_cpu beside
+    # it (every saved tensor's copy counted in the host pool), bitwise too.
+    js = tmp_path / "b.json"
+    md = tmp_path / "b.md"
+    assert bench.main(["--model", "gpt2-tiny", "--steps", "1", "--budgets", "0.27", "--quiet",
+                       "--methods", "remat-0,remat-offload,save-on-cpu", "--json", str(js), "--md", str(md)]) == 0
+    rows = {r["key"]: r for r in json.loads(js.read_text())["rows"]}
+    assert list(rows) == ["eager", "remat-0.27", "remat-offload-0.27", "save-on-cpu"]
+    assert rows["remat-0.27"]["status"].startswith("n/a (infeasible: below the floor"), rows["remat-0.27"]
+    off = rows["remat-offload-0.27"]
+    assert off["status"] == "ok" and off["grads"] == "bitwise", off
+    assert off["act_peak"] == off["predicted_act"], off
+    assert off["host_peak"] == off["predicted_host"] > 0, off
+    assert "offloaded" in off["extra"] and "nothing offloaded" not in off["extra"], off
+    soc = rows["save-on-cpu"]
+    assert soc["status"] == "ok" and soc["grads"] == "bitwise", soc
+    assert soc["host_peak"] > 0 and soc["act_peak"] < rows["eager"]["act_peak"], soc
+    text = md.read_text()
+    assert "| remat-ir, budget 0.27, offload |" in text and "| torch save_on_cpu |" in text
+    assert "host peak (predicted)" in text
+
+
+def test_offload_methods_opt_in():
+    keys = [s.key for s in select(method_specs([0.5]), None)]
+    assert "save-on-cpu" not in keys and "remat-offload-0.5" not in keys and "remat-0.5" in keys
+    assert [s.key for s in select(method_specs([0.5]), "remat-offload,save")] == [
+        "eager", "remat-offload-0.5", "save-on-cpu"]

@@ -25,6 +25,7 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     e_act = eager.act_peak
     n_params = sum(p.numel() for p in ctx.base.parameters())
     shapes = ", ".join(f"{tuple(x.shape)}" for x in ctx.inputs if isinstance(x, torch.Tensor))
+    host = any(r.family in HOST_FAMILIES for r in rows)  # offload rows: a column of host bytes
     lines = [
         f"## remat-bench: {ctx.name} ({n_params / 1e6:.2f} M parameters, inputs {shapes}), {ctx.device.type}",
         "",
@@ -33,19 +34,20 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
         f"step time: median of {a.steps} rounds, the methods' order rotated each round; \"vs eager\": "
         f"median over rounds of the step time / eager's step time in the same round.",
         "",
-        "| method | peak total | activation peak | % of eager | predicted act. | step time | vs eager "
-        "| compile / solve | gradients vs eager |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | peak total | activation peak | % of eager | predicted act. |"
+        + (" host peak (predicted) |" if host else "")
+        + " step time | vs eager | compile / solve | gradients vs eager |",
+        "|---|---|---|---|---|" + ("---|" if host else "") + "---|---|---|---|",
     ]
     for r in rows:
         if not r.ok:
-            lines.append(f"| {r.label} | {r.status} | | | | | | | |")
+            lines.append(f"| {r.label} | {r.status} | | | |" + (" |" if host else "") + " | | | |")
             continue
         pct = f"{100 * r.act_peak / e_act:.1f}%" if e_act else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
         if r.family in ("compile", "backend") and r.first_step_s is not None and r.step_time is not None:
             cs = f"compile {fmt_s(max(r.first_step_s - r.step_time, 0.0))}"
-        elif r.family == "remat" and r.setup_s:
+        elif r.family in ("remat", "offload") and r.setup_s:
             cs = f"solve {fmt_s(r.setup_s)}"
         else:
             cs = "-"
@@ -53,7 +55,10 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
             cs += f" ({r.extra})"
         pred = mib(r.predicted_act) if r.predicted_act is not None else "-"
         g = r.grads + (" (recompiled!)" if r.recompiled else "")
-        lines.append(f"| {r.label} | {mib(r.total_peak)} | {mib(r.act_peak)} | {pct} | {pred} | "
+        hcol = ""
+        if host:
+            hcol = f" {host_text(r, ctx.device.type)} |"
+        lines.append(f"| {r.label} | {mib(r.total_peak)} | {mib(r.act_peak)} | {pct} | {pred} |{hcol} "
                      f"{fmt_s(r.step_time)} | {ratio} | {cs} | {g} |")
     lines.append("")
     notes = []
@@ -72,6 +77,23 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
                      "compile time); \"predicted act.\" is the simulator's step peak for that plan: its "
                      "activation peak plus the gradients a compiled backward holds until it returns, which "
                      "the budget leaves out (docs/13-torch-compile.md).")
+    if host:
+        notes.append("offload: \"host peak\" is the most host memory the second step held at once for "
+                     "activations (the copies moved off the device), measured"
+                     + (" by the storage tracker's host pool (a host buffer is a storage allocated inside "
+                        "`memtrack.host_pool()`; device and host are both CPU memory here)"
+                        if ctx.device.type == "cpu" else
+                        " as the bytes of pinned host buffers in use (`memtrack.HOST_BYTES`; the caching "
+                        "allocator's statistics do not see pinned memory)")
+                     + "; for remat-ir the simulator's prediction in parentheses. remat-ir with offload: "
+                     "`fit(..., offload=True)` without a host budget; at budgets recomputation alone meets "
+                     "its plan is the recompute-only one (nothing offloaded). torch save_on_cpu: the eager "
+                     "step inside `torch.autograd.graph.save_on_cpu(pin_memory=True)`: every tensor autograd "
+                     "saves (weights included) is copied to the host and back for backward; its copies are "
+                     "counted as remat-ir's are"
+                     + (" (on CPU torch's unpack hands back the host copy itself; a clone stands for the "
+                        "device copy a GPU would make, so its device bytes count as remat-ir's reloads do)"
+                        if ctx.device.type == "cpu" else "") + ".")
     comp = [r for r in rows if r.family in ("compile", "backend")]
     if comp:
         notes.append("torch.compile: dynamo was reset before the compile rows; each budget compiles its own "
@@ -102,15 +124,29 @@ def markdown(ctx: Context, rows: list[Row], wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+HOST_FAMILIES = ("offload", "save_on_cpu")
+
+
+def host_text(r: Row, device_type: str) -> str:
+    """The host-peak cell: measured, and predicted for remat-ir's plans."""
+    if r.family not in HOST_FAMILIES:
+        return "-"
+    if r.host_peak is None:
+        return "not measured"
+    pred = f" ({mib(r.predicted_host)})" if r.predicted_host is not None else ""
+    return mib(r.host_peak) + pred
+
+
 FAMILY_STYLE = {
     "eager": ("black", "o"), "checkpoint": ("tab:blue", "s"), "sac": ("tab:purple", "D"),
     "compile": ("tab:orange", "^"), "remat": ("tab:green", "*"), "backend": ("tab:olive", "P"),
+    "offload": ("tab:red", "*"), "save_on_cpu": ("tab:brown", "v"),
 }
 
 
 def short_label(r: Row) -> str:
     s = r.label.replace("torch.compile aot_eager, ", "compile ").replace("remat-ir, ", "remat-ir ")
-    s = s.replace("remat-ir backend aot_eager, ", "backend ")
+    s = s.replace("remat-ir backend aot_eager, ", "backend ").replace("torch save_on_cpu", "save_on_cpu")
     s = s.replace("checkpoint every", "ckpt every").replace(", save matmul outputs", " (matmuls)")
     return s.replace("eager PyTorch", "eager").replace("unoptimized plan", "unoptimized")
 
@@ -166,7 +202,8 @@ def pareto_png(ctx: Context, rows: list[Row], path: str) -> None:
         color, marker = FAMILY_STYLE.get(r.family, ("gray", "o"))
         fam_label = {"eager": "eager", "checkpoint": "torch.utils.checkpoint", "sac": "selective AC",
                      "compile": "torch.compile (aot_eager)", "remat": "remat-ir",
-                     "backend": "remat-ir backend (aot_eager)"}.get(r.family, r.family)
+                     "backend": "remat-ir backend (aot_eager)", "offload": "remat-ir with offload",
+                     "save_on_cpu": "torch save_on_cpu"}.get(r.family, r.family)
         wrong = bool(r.grad_diff)  # gradients differ from eager: hollow, off the frontier
         differ |= wrong
         ax.scatter([x], [y], marker=marker, s=160 if marker == "*" else 70, zorder=3,

@@ -86,6 +86,7 @@ class Prepared:
     setup_s: float = 0.0  # solve time etc., before the first step
     predicted_total: int | None = None
     predicted_act: int | None = None
+    predicted_host: int | None = None  # a plan that offloads: the simulator's host peak
     extra: str = ""  # a short note for the table (extra compute, ...)
     program: object = None
     result: object = None  # remat-ir: the optimizer's OptimizeResult (what it recomputes, ...)
@@ -104,6 +105,8 @@ class Row:
     act_peak: int | None = None
     predicted_total: int | None = None
     predicted_act: int | None = None
+    host_peak: int | None = None  # host bytes the step held at its peak (offloaded copies; measured)
+    predicted_host: int | None = None
     first_step_s: float | None = None
     setup_s: float | None = None
     times: list[float] = field(default_factory=list)
@@ -174,14 +177,18 @@ class Context:
             self.profile_s = stats.seconds.get("profile")
         return self._program
 
-    def memo(self):
-        """One optimizer memo for every budget row: the block options (and
-        rewritten graphs) built for one budget serve the next."""
+    def memo(self, offload: bool = False):
+        """One optimizer memo for every budget row (one for the rows with
+        offload, one for those without: a memo serves one setting): the
+        block options (and rewritten graphs) built for one budget serve the
+        next."""
         if self._memo is None:
+            self._memo = {}
+        if offload not in self._memo:
             from remat_ir.optimize.ladder import LadderMemo
 
-            self._memo = LadderMemo()
-        return self._memo
+            self._memo[offload] = LadderMemo()
+        return self._memo[offload]
 
     def optimizer_api(self):
         """The optimizer package, or Unavailable (shown as n/a) when it cannot be imported."""
@@ -204,6 +211,7 @@ class MethodSpec:
     label: str
     family: str
     prepare: Callable[[Context], Prepared]
+    default: bool = True  # run when --methods is not given (else only when it names the method)
 
 
 # -------------------------------------------------------------- gradients
@@ -348,6 +356,7 @@ def measure(ctx: Context, spec: MethodSpec, ref_grads, log) -> tuple[Row, Prepar
         prep = spec.prepare(ctx)
         row.setup_s = prep.setup_s if prep.setup_s else None
         row.predicted_total, row.predicted_act, row.extra = prep.predicted_total, prep.predicted_act, prep.extra
+        row.predicted_host = prep.predicted_host
         prep_s = time.perf_counter() - t0
         opt_state = optimizer_state(prep.module, ctx.args.optimizer)
         # Step 1, from .grad = None, same seed as the eager reference.
@@ -372,6 +381,7 @@ def measure(ctx: Context, spec: MethodSpec, ref_grads, log) -> tuple[Row, Prepar
         if compile_count() != n0:
             row.recompiled = True
         row.act_peak = mem.peak_above_baseline
+        row.host_peak = mem.host_peak_bytes
         row.total_peak = own_state_bytes(pre) + mem.peak_above_baseline
         prep.opt_state = opt_state  # keep it alive: it is part of the state
         log(f"  {spec.key:<14} act {mib(row.act_peak):>12}  total {mib(row.total_peak):>12}  "

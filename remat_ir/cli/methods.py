@@ -203,9 +203,11 @@ def prep_backend(ctx: Context, budget: float) -> Prepared:
     return Prepared(m, plain_step(ctx, m, compiled), late=late)
 
 
-def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
+def prep_remat(ctx: Context, budget: str | int | None, offload: bool = False) -> Prepared:
     """`budget` (activation scope): None (unoptimized plan), a fraction string,
-    bytes (int), or "floor"."""
+    bytes (int), or "floor".  `offload`: the plan may also offload activations
+    to host memory (`fit(..., offload=True)`, no host budget); where
+    recomputation alone meets the budget its plan is the recompute-only one."""
     from remat_ir.check.simulate import simulate
     from remat_ir.ir.costs import overhead_text
     from remat_ir.pipeline import CompileStats, fit
@@ -222,7 +224,7 @@ def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
             with quiet_stdout(), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 program = fit(program, budget, scope="activations", time_limit=ctx.args.time_limit,
-                              stats=stats, memo=ctx.memo())
+                              stats=stats, memo=ctx.memo(offload), offload=offload)
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible":
                 fb = getattr(e, "floor_bytes", None)
@@ -233,6 +235,9 @@ def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
         # Resolving the budget (the floor: a search) + the solve.
         setup = stats.seconds.get("budget", 0.0) + stats.seconds.get("optimize", 0.0)
         extra = overhead_text(program)
+        n_off = sum(1 for ins in program.forward if ins.kind == "offload")
+        if offload:
+            extra += f", {n_off} offloaded" if n_off else ", nothing offloaded"
         if program.header.rewrites:
             extra += f", {', '.join(program.header.rewrites)}"
         msgs = sorted({str(w.message).split(".")[0] for w in caught})
@@ -249,7 +254,83 @@ def prep_remat(ctx: Context, budget: str | int | None) -> Prepared:
         return loss.detach()
 
     return Prepared(m, step, setup_s=setup, predicted_total=rep.peak_bytes,
-                    predicted_act=rep.activation_peak_bytes, extra=extra, program=program, result=res)
+                    predicted_act=rep.activation_peak_bytes, predicted_host=rep.host_peak_bytes if offload else None,
+                    extra=extra, program=program, result=res)
+
+
+class CountedSaveOnCpu:
+    """`torch.autograd.graph.save_on_cpu` with its host copies counted as
+    remat-ir's offloaded copies are (`remat_ir.runtime.memtrack`, "Two pools").
+
+    Its own pack and unpack run; around them:
+
+    * pack (the copy of a saved tensor into a host tensor) runs inside
+      `memtrack.host_pool()`: on CPU the storage tracker counts the copy in
+      its host pool; on CUDA the copy's bytes (pinned memory, which the
+      allocator's statistics do not see) are reported to `memtrack.HOST_BYTES`
+      until the host tensor dies;
+    * unpack on CUDA is torch's: a fresh device tensor per saved tensor
+      (the caching allocator counts it).  On CPU torch's unpack (`.to("cpu")`)
+      hands back the host tensor itself, so backward would read the host
+      copy in place; to count the device bytes a device would hold, the
+      unpacked tensor is cloned there (outside the host pool: device memory,
+      as remat-ir's CPU reload allocates a fresh device storage).  The bits
+      are the copy's, so the gradients are unchanged.
+
+    On CUDA it is `save_on_cpu(pin_memory=True)`.  On CPU it is
+    `save_on_cpu(pin_memory=True)` as well: with pin_memory=False torch's
+    pack returns the tensor itself when it is already on the CPU (no copy,
+    nothing to count); with True it copies into a fresh tensor (pinned only
+    where CUDA is available)."""
+
+    def __init__(self, device: torch.device):
+        from torch.autograd.graph import save_on_cpu
+
+        self.device = device
+        self.hooks = save_on_cpu(pin_memory=True)
+        pack, unpack = self.hooks.pack_hook, self.hooks.unpack_hook
+        self.hooks.pack_hook = functools.partial(self._pack, pack)
+        self.hooks.unpack_hook = functools.partial(self._unpack, unpack)
+
+    def _pack(self, pack, t):
+        import weakref
+
+        from remat_ir.runtime.memtrack import HOST_BYTES, host_pool
+
+        with host_pool():
+            dev, packed = pack(t)
+        if self.device.type == "cuda" and packed.device.type == "cpu" and packed is not t:
+            nb = packed.untyped_storage().nbytes()
+            HOST_BYTES.alloc(nb)
+            weakref.finalize(packed, HOST_BYTES.free, nb)
+        return dev, packed
+
+    def _unpack(self, unpack, packed):
+        t = unpack(packed)
+        if self.device.type == "cpu" and t.untyped_storage()._cdata == packed[1].untyped_storage()._cdata:
+            t = t.clone()
+        return t
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+
+def prep_save_on_cpu(ctx: Context) -> Prepared:
+    """The step run eagerly inside `torch.autograd.graph.save_on_cpu`: every
+    tensor autograd saves goes to host memory and comes back for backward
+    (`CountedSaveOnCpu`: how its host bytes are counted)."""
+    m = ctx.fresh()
+    inner = plain_step(ctx, m)
+
+    def step():
+        with CountedSaveOnCpu(ctx.device):
+            return inner()
+
+    return Prepared(m, step)
 
 
 def method_specs(budgets: list[float]) -> list[MethodSpec]:
@@ -272,12 +353,18 @@ def method_specs(budgets: list[float]) -> list[MethodSpec]:
                                 functools.partial(prep_remat, budget=f"{b:g}")))
     specs.append(MethodSpec("remat-floor", "remat-ir, floor", "remat",
                             functools.partial(prep_remat, budget="floor")))
+    # Offload: run when --methods names them (at budgets recomputation alone
+    # meets, remat-ir's offload plan is its recompute-only plan).
+    for b in budgets:
+        specs.append(MethodSpec(f"remat-offload-{b:g}", f"remat-ir, budget {b:g}, offload", "offload",
+                                functools.partial(prep_remat, budget=f"{b:g}", offload=True), default=False))
+    specs.append(MethodSpec("save-on-cpu", "torch save_on_cpu", "save_on_cpu", prep_save_on_cpu, default=False))
     return specs
 
 
 def select(specs: list[MethodSpec], methods: str | None) -> list[MethodSpec]:
     if not methods:
-        return specs
+        return [s for s in specs if s.default]
     wanted = [w.strip() for w in methods.split(",") if w.strip()]
     keys = [s.key for s in specs]
     for w in wanted:
