@@ -35,6 +35,17 @@ they are not, differences are reported beside eager's own run-to-run
 difference.  The torch, CUDA and cuDNN versions and the TF32 and float32
 matmul-precision settings are recorded with the table.
 
+Offload (`--offload-budgets B,...`): plans that may also move activations
+to host memory (`fit(..., offload=True, exact=True)`: no graph rewrite
+that changes eager's bits; on CUDA the chunked loss is not available
+either, its ops being CPU-only, so below the recompute floor these plans
+are offload alone), tagged `offload-B`, and a row for torch's
+`torch.autograd.graph.save_on_cpu` (the eager step inside it: every saved
+tensor copied to the host and back; `remat_ir.cli.methods.CountedSaveOnCpu`).
+Their rows add the host peak (measured: pinned bytes in use on CUDA, the
+storage tracker's host pool on CPU; predicted for the plans) and the step
+time against the recompute-only floor plan ("floor" in `--budgets`).
+
 Plans are traced on CPU under FakeTensorMode (nothing is allocated) for the
 target device (`trace(..., device=...)`: CUDA's dropout, no CPU-only ops);
 `--plans DIR` reads `.rir` files written by `--compile-only` (file names
@@ -64,7 +75,9 @@ import torch
 from remat_ir.cli.bench_output import write_table
 from remat_ir.cli.measure import (Row, compare_grads, device_settings, first_step, grad_check, measured_step, mib,
                                   paired_ratios, pre_existing, time_rounds)
-from remat_ir.cli.methods import checkpoint_blocks, find_blocks, quiet_stdout, restore_blocks
+from remat_ir.cli.methods import CountedSaveOnCpu, checkpoint_blocks, find_blocks, quiet_stdout, restore_blocks
+
+OFFLOAD_TAG = "offload-"  # an offload plan's tag: "offload-0.15"
 
 
 def plan_name(model: str, batch: int, seq: int | None, device: str, tag: str) -> str:
@@ -126,10 +139,14 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
     for tag in todo:
         t0 = time.perf_counter()
         stats = CompileStats()
+        offload = tag.startswith(OFFLOAD_TAG)
+        budget = tag[len(OFFLOAD_TAG):] if offload else tag
+        # Offload plans: eager's bits (exact), moved to the host where recomputation cannot fit.
+        kw = {"offload": True, "exact": True} if offload else {}
         try:
             with quiet_stdout(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # cvxpy's "solution may be inaccurate": the plan is verified anyway
-                p = fit(base, tag, scope="activations", time_limit=args.time_limit, stats=stats)
+                p = fit(base, budget, scope="activations", time_limit=args.time_limit, stats=stats, **kw)
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "Infeasible" and getattr(e, "floor_bytes", None):
                 failed[tag] = f"infeasible: below the floor, {mib(e.floor_bytes)}"
@@ -139,10 +156,12 @@ def compile_plans(args, tags: list[str], plans: dict) -> dict[str, str]:
             continue
         res = stats.optimized
         extra = 100 * res.extra_cost / max(res.base_cost, 1)
+        n_off = sum(1 for ins in p.forward if ins.kind == "offload")
+        how = f", {n_off} values offloaded" if offload else ""
         p.header.comment = list(base.header.comment) + [
-            f"budget {tag} (activations): solved in {res.seconds:.1f} s, extra compute {extra:.1f}%"]
+            f"budget {tag} (activations): solved in {res.seconds:.1f} s, extra compute {extra:.1f}%{how}"]
         plans[tag] = p
-        _log(f"  {tag}: solved in {res.seconds:.1f} s ({time.perf_counter() - t0:.1f} s), +{extra:.1f}% FLOPs")
+        _log(f"  {tag}: solved in {res.seconds:.1f} s ({time.perf_counter() - t0:.1f} s), +{extra:.1f}% FLOPs{how}")
     return failed
 
 
@@ -190,6 +209,12 @@ class Check(Row):
     grad_rel: float | None = None  # max relative difference from eager's gradients
 
 
+def label_of(tag: str) -> str:
+    if tag.startswith(OFFLOAD_TAG):
+        return f"remat-ir, budget {tag[len(OFFLOAD_TAG):]}, offload"
+    return {"plan": "remat-ir, unoptimized plan", "floor": "remat-ir, floor"}.get(tag, f"remat-ir, budget {tag}")
+
+
 def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
     from remat_ir.check.simulate import simulate
     from remat_ir.runtime.bind import PlanMismatch, first_difference
@@ -235,13 +260,20 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
         _log(f"device-neutral plan vs the trace on {dev}: {difference or 'same graph'}")
     del eager_prog
 
+    def save_on_cpu_step():
+        with CountedSaveOnCpu(dev):
+            eager_step()
+
     methods = [eager]
     if blocks:
         methods.append(Check("ckpt-all", "checkpoint every block", "checkpoint", step=ckpt_step))
+    if args.offload_budgets:
+        methods.append(Check("save-on-cpu", "torch save_on_cpu", "save_on_cpu", step=save_on_cpu_step))
     for tag in args.tags:
-        label = {"plan": "remat-ir, unoptimized plan", "floor": "remat-ir, floor"}.get(tag, f"remat-ir, budget {tag}")
+        label = label_of(tag)
+        family = "offload" if tag.startswith(OFFLOAD_TAG) else "remat"
         if tag not in plans:
-            methods.append(Check(f"remat-{tag}", label, "remat", status=f"n/a ({failed.get(tag, 'no plan')})"))
+            methods.append(Check(f"remat-{tag}", label, family, status=f"n/a ({failed.get(tag, 'no plan')})"))
             continue
         program = plans[tag]
         note = ""
@@ -255,7 +287,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
                 note = f"model check: {str(e).split('; recompile')[0]}"
                 w = wrap(model, program, loss=loss_fn, check_model=False)
         except Exception as e:  # noqa: BLE001
-            methods.append(Check(f"remat-{tag}", label, "remat", status=f"failed: {type(e).__name__}: {e}"))
+            methods.append(Check(f"remat-{tag}", label, family, status=f"failed: {type(e).__name__}: {e}"))
             continue
 
         # wrap() adopts the model in place: each plan's step adopts it for itself, and
@@ -271,8 +303,9 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
                 unwrap(model)
 
         rep = simulate(program, grads_present=True)
-        methods.append(Check(f"remat-{tag}", label, "remat", step=plan_step, program=program, note=note,
-                             predicted_total=rep.peak_bytes, predicted_act=rep.activation_peak_bytes))
+        methods.append(Check(f"remat-{tag}", label, family, step=plan_step, program=program, note=note,
+                             predicted_total=rep.peak_bytes, predicted_act=rep.activation_peak_bytes,
+                             predicted_host=rep.host_peak_bytes if family == "offload" else None))
 
     # Eager twice at the same seed: whether its gradients are reproducible
     # decides whether a plan's differing gradients fail the check.
@@ -299,6 +332,7 @@ def run(args, plans: dict, failed: dict) -> tuple[list[Check], dict]:
             mem, requested = measured_step(mm.step, pre, args.seed + 1, dev)
             own = sum(v for k, v in mem.baseline_by_category.items() if k != "unregistered")
             mm.act_peak = mem.peak_above_baseline
+            mm.host_peak = mem.host_peak_bytes
             mm.total_peak = own + mem.peak_above_baseline
             mm.raw_peak = sum(mem.baseline_by_category.values()) + mem.peak_above_baseline  # workspaces too
             if requested is not None:
@@ -330,25 +364,30 @@ def report(args, methods: list[Check], info: dict, wall: float) -> tuple[str, bo
     cuda = dev.type == "cuda"
     env = device_settings(dev)
     repro = info.get("eager_reproducible", False)
+    host = any(mm.family in ("offload", "save_on_cpu") for mm in methods)  # offload rows: their columns
     lines = [
         f"## gpu_check: {args.model}, batch {args.batch} x seq {args.seq}, fp32, Adam state, .grad present, "
         f"{dev.type} ({env['device_name']}), torch {torch.__version__}",
         "",
         "| method | predicted total | measured total | predicted act. | measured act. | diff | "
-        "allocated act. | diff (allocated) | step time | vs eager | vs ckpt every block | grads vs eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "allocated act. | diff (allocated) |" + (" host peak (predicted) |" if host else "")
+        + " step time | vs eager | vs ckpt every block |" + (" vs recompute floor |" if host else "")
+        + " grads vs eager |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if host else "") + "---|---|---|" + ("---|" if host else "")
+        + "---|",
     ]
     mem_ok = grads_ok = True
     out = {"settings": env, "model": args.model, "batch": args.batch, "seq": args.seq, "rows": [], **info}
     notes = []
     ckpt = next((mm for mm in methods if mm.key == "ckpt-all" and mm.ok), None)
+    floor = next((mm for mm in methods if mm.key == "remat-floor" and mm.ok), None)
     for mm in methods:
         row = {"key": mm.key, "label": mm.label, "status": mm.status}
         if mm.note:
             row["note"] = mm.note
             notes.append(f"- {mm.label}: {mm.note}")
         if mm.status != "ok":
-            lines.append(f"| {mm.label} | {mm.status} | | | | | | | | | | |")
+            lines.append(f"| {mm.label} | {mm.status} | | | | | | | | | |" + (" | |" if host else "") + " |")
             out["rows"].append(row)
             continue
         # The verdict's measure: what was asked of the allocator on CUDA, the storage tracker on CPU.
@@ -359,6 +398,18 @@ def report(args, methods: list[Check], info: dict, wall: float) -> tuple[str, bo
             good = matches(mm.predicted_total, total)
             mem_ok &= good
         diff = _pct(total, mm.predicted_total) + ("" if good in (None, True) else " (outside 1% + 1 MiB)")
+        hcol = fcol = ""
+        if host:
+            hgood = None
+            if mm.family == "offload" and mm.predicted_host is not None:
+                hgood = matches(mm.predicted_host, mm.host_peak)
+                mem_ok &= hgood
+            hcol = ("-" if mm.family not in ("offload", "save_on_cpu") else
+                    mib(mm.host_peak) + (f" ({mib(mm.predicted_host)})" if mm.predicted_host is not None else "")
+                    + ("" if hgood in (None, True) else " (outside 1% + 1 MiB)"))
+            hcol = f" {hcol} |"
+            vs_floor = paired_ratios(mm, floor) if floor is not None else []
+            fcol = f" {statistics.median(vs_floor):.2f}x |" if vs_floor else " - |"
         t = mm.step_time
         vs_ckpt = paired_ratios(mm, ckpt) if ckpt is not None else []
         re_ = f"{mm.ratio:.2f}x" if mm.ratio is not None else "-"
@@ -377,12 +428,13 @@ def report(args, methods: list[Check], info: dict, wall: float) -> tuple[str, bo
                 gd += " (FAIL: eager is reproducible)"
         lines.append(f"| {mm.label} | {mib(mm.predicted_total)} | {mib(total)} | {mib(mm.predicted_act)} | "
                      f"{mib(act)} | {diff} | {mib(mm.act_peak) if cuda else '-'} | "
-                     f"{_pct(mm.act_peak, mm.predicted_act) if cuda else '-'} | "
-                     f"{'-' if t is None else f'{1e3 * t:.0f} ms'} | {re_} | {rc} | {gd} |")
+                     f"{_pct(mm.act_peak, mm.predicted_act) if cuda else '-'} |{hcol} "
+                     f"{'-' if t is None else f'{1e3 * t:.0f} ms'} | {re_} | {rc} |{fcol} {gd} |")
         row.update(predicted_total=mm.predicted_total, measured_total=mm.total_peak,
                    predicted_act=mm.predicted_act, measured_act=mm.act_peak,
                    requested_total=mm.requested_total, requested_act=mm.requested_act, raw_peak=mm.raw_peak,
                    within_tolerance=good, step_times=mm.times,
+                   host_peak=mm.host_peak, predicted_host=mm.predicted_host,
                    ratio_eager=mm.ratio, ratio_ckpt=statistics.median(vs_ckpt) if vs_ckpt else None,
                    grad_equal=mm.grad_equal, grad_diff=mm.grad_diff, grad_rel=mm.grad_rel,
                    rewrites=list(mm.program.header.rewrites) if mm.program is not None else [])
@@ -398,6 +450,16 @@ def report(args, methods: list[Check], info: dict, wall: float) -> tuple[str, bo
     else:
         lines.append("- measured = this model's parameters, gradients, Adam state, buffers and inputs + the step's "
                      "peak above them (the storage tracker); activations = that peak alone. MiB = 2^20 bytes.")
+    if host:
+        lines.append("- host peak: the most host memory the step held at once for offloaded activations, "
+                     + ("pinned bytes in use (`memtrack.HOST_BYTES`; the allocator's statistics do not see "
+                        "pinned memory)" if cuda else "the storage tracker's host pool (`memtrack.host_pool()`)")
+                     + "; predicted by the simulator for the plans. Offload plans: `fit(..., offload=True, "
+                     "exact=True)`. torch save_on_cpu: the eager step inside "
+                     "`torch.autograd.graph.save_on_cpu(pin_memory=True)`, every saved tensor (weights included) "
+                     "copied to the host and back, counted as remat-ir's copies are"
+                     + ("" if cuda else " (on CPU a clone stands for the device copy its unpack would make)")
+                     + ". \"vs recompute floor\": step time over the recompute-only floor plan's, per round.")
     lines.append(f"- step time: median of {args.steps} rounds, methods rotated each round; ratios are medians "
                  "of per-round ratios.")
     rerun = info.get("eager_rerun_grad_diff")
@@ -429,6 +491,10 @@ def build_parser():
     p.add_argument("--budgets", default="0.7,0.5,0.3,floor",
                    help="fractions of the unoptimized activation peak, and/or floor; '' for none (the "
                         "unoptimized plan only)")
+    p.add_argument("--offload-budgets", default="",
+                   help="fractions of the unoptimized activation peak for plans that may also offload to host "
+                        "memory (exact: no bits-changing rewrite), with a row for torch's save_on_cpu; "
+                        "default none")
     p.add_argument("--plans", help="directory of precompiled plans (read; with --compile-only: written)")
     p.add_argument("--compile-only", action="store_true", help="trace (fake) and optimize the plans, write "
                                                                "them to --plans, run nothing")
@@ -454,8 +520,11 @@ def _main(argv) -> int:
     try:
         args.budgets = [b.strip() if b.strip() == "floor" else f"{float(b):g}"
                         for b in args.budgets.split(",") if b.strip()]
+        args.offload_budgets = [f"{OFFLOAD_TAG}{b.strip() if b.strip() == 'floor' else f'{float(b):g}'}"
+                                for b in args.offload_budgets.split(",") if b.strip()]
     except ValueError:
-        print(f"gpu_check: error: --budgets: not fractions or floor: {args.budgets}", file=sys.stderr)
+        print(f"gpu_check: error: --budgets / --offload-budgets: not fractions or floor: {args.budgets} / "
+              f"{args.offload_budgets}", file=sys.stderr)
         return 2
     args.model = args.model or ("gpt2-tiny" if args.small else "gpt2-medium")
     from remat_ir.models import BUILTINS
@@ -479,7 +548,7 @@ def _main(argv) -> int:
         print("gpu_check: error: no CUDA device (use --device cpu, or --compile-only)", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    args.tags = tags = ["plan"] + args.budgets
+    args.tags = tags = ["plan"] + args.budgets + args.offload_budgets
     try:
         plans, failed = ({}, {}) if args.compile_only else load_plans(args, tags)
     except Exception as e:  # noqa: BLE001
