@@ -176,3 +176,20 @@ def test_window_script_on_cpu(tmp_path):
 def test_bad_input(gpu_check, capsys):
     assert gpu_check.main(["--device", "cpu", "--small", "--budgets", "x"]) == 2
     assert gpu_check.main(["--compile-only", "--small"]) == 2
+
+
+def test_compile_only_for_cuda_offload(gpu_check, tmp_path):
+    # The window's small offload plan: gpt2-tiny for CUDA at 0.38, below the
+    # recompute-only floor there (0.425: no chunked loss on CUDA), met by
+    # offload alone: no graph rewrite, values offloaded, a sound plan.
+    from remat_ir.check.simulate import simulate
+    from remat_ir.check.verify import verify
+    from remat_ir.ir.files import load_plan
+
+    assert gpu_check.main(["--compile-only", "--device", "cuda", "--small", "--plans", str(tmp_path),
+                           "--budgets", "", "--offload-budgets", "0.38"]) == 0
+    p = load_plan(str(tmp_path / "gpt2-tiny_b2_s64_cuda_offload-0.38.rir"))
+    assert p.header.device == "cuda" and not p.header.rewrites
+    assert any(ins.kind == "offload" for ins in p.forward)
+    assert simulate(p, grads_present=True).host_peak_bytes > 0
+    assert verify(p).ok
