@@ -168,7 +168,14 @@ def test_window_script_on_cpu(tmp_path):
     assert "backend: skipped (--no-backend)" in summary, summary
     assert "already installed" in (out / "install.log").read_text()
     assert "skipped" in (out / "pytest.txt").read_text()  # no GPU here
-    assert json.loads((out / "gpu_check.json").read_text())["ok"]
+    js = json.loads((out / "gpu_check.json").read_text())
+    assert js["ok"]
+    # The offload rows (on CPU --small: 0.27, below the recompute-only floor) and torch's save_on_cpu.
+    rows = {r["key"]: r for r in js["rows"]}
+    off = rows["remat-offload-0.27"]
+    assert off["status"] == "ok" and off["grad_equal"] and off["within_tolerance"], off
+    assert off["host_peak"] == off["predicted_host"] > 0, off
+    assert rows["save-on-cpu"]["status"] == "ok" and rows["save-on-cpu"]["host_peak"] > 0
     assert "fused cross-entropy backward" in (out / "probe.md").read_text()
     print(f"gpu_window.sh --device cpu --small: {time.perf_counter() - t0:.0f} s")
 

@@ -23,7 +23,7 @@ seeds, dropout on) and is measured the same way:
   remat-ir's MILP solve time (the trace, shared by all budgets, is noted once).
 
 Methods (``--methods`` takes keys or key prefixes, comma separated; eager, the
-reference, always runs):
+reference, always runs; without ``--methods`` all but the offload methods):
 
     eager          plain PyTorch
     ckpt-all       torch.utils.checkpoint (use_reentrant=False) around every block
@@ -35,6 +35,15 @@ reference, always runs):
     remat-plan     remat-ir's unoptimized plan (the interpreter alone)
     remat-B        remat-ir optimized at B x the unoptimized activation peak
     remat-floor    remat-ir at the smallest activation budget it can meet
+    remat-offload-B  remat-ir at B, activations also offloaded to host memory where
+                   recomputation alone cannot meet B (its recompute-only plan where it can)
+    save-on-cpu    the eager step inside torch.autograd.graph.save_on_cpu (every saved
+                   tensor copied to the host and back for backward)
+
+The offload rows add a host-peak column: the most host memory the step held
+for activations, measured (CPU: the storage tracker's host pool; CUDA: the
+pinned bytes in use, `memtrack.HOST_BYTES`), and for remat-ir predicted
+(`remat_ir.cli.methods.CountedSaveOnCpu`: how save_on_cpu's copies are counted).
 
 Blocks are ``model.transformer.h`` (also found one level down, e.g.
 ``model.model.transformer.h`` for transformers' GPT-2), else the longest
@@ -68,7 +77,8 @@ from remat_ir.ir.syntax import clip
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat-bench", description=__doc__.split("\n\n")[0],
                                 epilog="methods: eager, ckpt-all, ckpt-every2, sac-matmul, compile-B, "
-                                       "backend-B, remat-plan, remat-B, remat-floor",
+                                       "backend-B, remat-plan, remat-B, remat-floor; named only: remat-offload-B, "
+                                       "save-on-cpu",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt2-mid", help="built-in name or .py model file (default gpt2-mid)")
     p.add_argument("--batch", type=int)
