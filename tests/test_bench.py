@@ -108,11 +108,11 @@ def test_offload_rows(tmp_path):
     js = tmp_path / "b.json"
     md = tmp_path / "b.md"
     assert bench.main(["--model", "gpt2-tiny", "--steps", "1", "--budgets", "0.27", "--quiet",
-                       "--methods", "remat-0,remat-offload,save-on-cpu", "--json", str(js), "--md", str(md)]) == 0
+                       "--methods", "remat-0,offload,save-on-cpu", "--json", str(js), "--md", str(md)]) == 0
     rows = {r["key"]: r for r in json.loads(js.read_text())["rows"]}
-    assert list(rows) == ["eager", "remat-0.27", "remat-offload-0.27", "save-on-cpu"]
+    assert list(rows) == ["eager", "remat-0.27", "offload-0.27", "save-on-cpu"]
     assert rows["remat-0.27"]["status"].startswith("n/a (infeasible: below the floor"), rows["remat-0.27"]
-    off = rows["remat-offload-0.27"]
+    off = rows["offload-0.27"]
     assert off["status"] == "ok" and off["grads"] == "bitwise", off
     assert off["act_peak"] == off["predicted_act"], off
     assert off["host_peak"] == off["predicted_host"] > 0, off
@@ -127,6 +127,6 @@ def test_offload_rows(tmp_path):
 
 def test_offload_methods_opt_in():
     keys = [s.key for s in select(method_specs([0.5]), None)]
-    assert "save-on-cpu" not in keys and "remat-offload-0.5" not in keys and "remat-0.5" in keys
-    assert [s.key for s in select(method_specs([0.5]), "remat-offload,save")] == [
-        "eager", "remat-offload-0.5", "save-on-cpu"]
+    assert "save-on-cpu" not in keys and "offload-0.5" not in keys and "remat-0.5" in keys
+    assert [s.key for s in select(method_specs([0.5]), "offload,save")] == [
+        "eager", "offload-0.5", "save-on-cpu"]

@@ -35,7 +35,7 @@ reference, always runs; without ``--methods`` all but the offload methods):
     remat-plan     remat-ir's unoptimized plan (the interpreter alone)
     remat-B        remat-ir optimized at B x the unoptimized activation peak
     remat-floor    remat-ir at the smallest activation budget it can meet
-    remat-offload-B  remat-ir at B, activations also offloaded to host memory where
+    offload-B      remat-ir at B, activations also offloaded to host memory where
                    recomputation alone cannot meet B (its recompute-only plan where it can)
     save-on-cpu    the eager step inside torch.autograd.graph.save_on_cpu (every saved
                    tensor copied to the host and back for backward)
@@ -77,7 +77,7 @@ from remat_ir.ir.syntax import clip
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat-bench", description=__doc__.split("\n\n")[0],
                                 epilog="methods: eager, ckpt-all, ckpt-every2, sac-matmul, compile-B, "
-                                       "backend-B, remat-plan, remat-B, remat-floor; named only: remat-offload-B, "
+                                       "backend-B, remat-plan, remat-B, remat-floor; named only: offload-B, "
                                        "save-on-cpu",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt2-mid", help="built-in name or .py model file (default gpt2-mid)")

@@ -356,7 +356,7 @@ def method_specs(budgets: list[float]) -> list[MethodSpec]:
     # Offload: run when --methods names them (at budgets recomputation alone
     # meets, remat-ir's offload plan is its recompute-only plan).
     for b in budgets:
-        specs.append(MethodSpec(f"remat-offload-{b:g}", f"remat-ir, budget {b:g}, offload", "offload",
+        specs.append(MethodSpec(f"offload-{b:g}", f"remat-ir, budget {b:g}, offload", "offload",
                                 functools.partial(prep_remat, budget=f"{b:g}", offload=True), default=False))
     specs.append(MethodSpec("save-on-cpu", "torch save_on_cpu", "save_on_cpu", prep_save_on_cpu, default=False))
     return specs
