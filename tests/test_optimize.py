@@ -276,15 +276,17 @@ def test_decomposed_plans_fit(stacked12):
 
 def test_flat_search_below_the_decomposed_floor(stacked12):
     """Where the decomposed search (which keeps every block input) cannot go,
-    the flat MILP (the default on graphs this small) does: its floor is
-    lower, and budgets between the two get a plan."""
+    the flat MILP does, given the work: its floor is lower, and budgets
+    between the two get a plan.  (Within its default work limits the flat
+    floor search of this chain hands it to the block search.)"""
     p = stacked12
     scope = "activations"
+    unlimited = dict(flat_work=10**15, flat_max_rows=10**9, flat_round_work=10**15)
     f_dec = floor(p, scope=scope, decompose=True).predicted_peak
-    f = floor(p, scope=scope, time_limit=30).predicted_peak
+    f = floor(p, scope=scope, time_limit=30, **unlimited).predicted_peak
     assert f < f_dec  # a chain of 12: the flat MILP drops some block inputs
     budget = (f + f_dec) // 2
-    r = optimize(p, budget, scope=scope, time_limit=30)
+    r = optimize(p, budget, scope=scope, time_limit=30, **unlimited)
     assert r.mode == "flat"
     check_plan(r, p, budget, scope)
 

@@ -432,6 +432,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
     found: dict[int, OptimizeResult] = {}
     tested: dict[int, bool] = {}
     host_over: list[HostOver] = []  # offload rungs whose plans the host budget refused
+    over_host: set[int] = set()  # ... by index
 
     def fits(i: int) -> bool:
         # Block by block, the floor search is the cheaper test; flat, a
@@ -447,6 +448,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                     return True
                 except HostOver as e:
                     host_over.append(e)
+                    over_host.add(i)
                     tested[i] = False
                     return False
                 except Infeasible:
@@ -457,6 +459,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                     found[i] = lad.optimize(rung, budget, prove=True)
                 except HostOver as e:
                     host_over.append(e)
+                    over_host.add(i)
                     tested[i] = False
         return tested[i]
 
@@ -484,6 +487,13 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
             while not fits(lo):
                 lo += 1
             break
+        if end in over_host:
+            # (An offload family's last rung offloads the most: over the host
+            # budget, a rung before it, holding less there, may still fit.)
+            first = next((i for i in range(lo, end) if fits(i)), None)
+            if first is not None:
+                lo = first
+                break
         lo = end + 1
     if lo == len(steps):
         # No rung fits.  The graph itself, when the flat search takes it, was
@@ -514,7 +524,11 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         try:
             return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
         except Infeasible as e:
-            raise _explained(e, steps[low], lad.time_limited()) from None
+            e = _explained(e, steps[low], lad.time_limited())
+            if host_over:  # (and the rungs that would have fitted hold too much on the host)
+                e = Infeasible(f"{e}; with offload: {host_over[0]}", e.floor_bytes, e.budget_bytes, e.scope,
+                               e.time_limited)
+            raise e from None
     best = plan(lo)
     # (The offload rungs: the least change that fits, "all" only where "heavy" does not.)
     if lo + 1 <= family_end(lo) and not offload_of(steps[lo]) and fits(lo + 1):
