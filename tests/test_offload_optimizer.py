@@ -306,7 +306,7 @@ def _batch(seed: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd"])  # (AdamW: the sliding-window families below)
 def test_wrap_offloads_a_llama_below_its_recompute_floor(tmp_path, monkeypatch, optimizer):
     """A 2-layer transformers Llama, a budget below what recomputation alone
     reaches: refused without offload, met with it; three optimizer steps
