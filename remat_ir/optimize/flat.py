@@ -66,14 +66,14 @@ def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
         if budget is not None:
             c.B.value = float(budget)
         rows = max(m.n_constraints, 1)
-        limit = min(nodes, max(st.flat_round_work // rows, 1))
+        round_nodes = min(nodes, max(st.flat_round_work // rows, 1))
         if blocks and (work > st.flat_work or rows > st.flat_max_rows):
             run.memo.flat_overworked = True
             raise Overworked(best, work, rows)
-        kept, rec = run.solve(c, FLAT, what, round=rnd + 1, nodes=limit, rel_gap=st.flat_gap)
-        work += (rec.iterations if rec.iterations is not None else limit) * rows
+        kept, rec = run.solve(c, FLAT, what, round=rnd + 1, nodes=round_nodes, rel_gap=st.flat_gap)
+        work += (rec.iterations if rec.iterations is not None else round_nodes) * rows
         if kept is None:
-            if blocks and limit < nodes and rec.status != "infeasible":
+            if blocks and round_nodes < nodes and rec.status != "infeasible":
                 run.memo.flat_overworked = True  # (no plan within the work a round may do)
                 raise Overworked(best, work, rows)
             if nodes == st.round_nodes or rec.status == "infeasible":

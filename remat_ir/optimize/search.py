@@ -132,11 +132,17 @@ def decomposed(problem, budget: int | None, settings: Settings | None = None, me
     return _fitting(run, plan, budget, "decomposed", t0)
 
 
+def _block_by_block(run: Run) -> bool:
+    """Whether this run's searches are the decomposed one's: by the settings,
+    or because the flat search passed its work limits on this problem."""
+    return run.problem.decomposes(run.settings) or run.memo.flat_overworked
+
+
 def _floor(run: Run) -> Floor:
     """The floor, from the memo or searched once and kept there."""
-    memo, p = run.memo, run.problem
+    memo = run.memo
     if memo.floor is None:
-        dec = p.decomposes(run.settings) or memo.flat_overworked
+        dec = _block_by_block(run)
         flat_best = None
         if not dec:
             try:
@@ -182,7 +188,7 @@ def optimize(problem, budget: int, settings: Settings | None = None, memo: Memo 
     t0 = time.perf_counter()
     budget = int(budget)
     run = Run(problem, settings, memo, log)
-    dec = problem.decomposes(settings)
+    dec = _block_by_block(run)
     run.say(f"optimize {problem.program.header.model or 'program'}: budget {human_bytes(budget)} "
             f"({problem.scope}), {run.a.nf} forward / {run.a.nb} backward nodes, {len(problem.decisions)} "
             f"decisions, {'decomposed' if dec else 'flat'}")
@@ -197,8 +203,8 @@ def optimize(problem, budget: int, settings: Settings | None = None, memo: Memo 
             # recompute) is the answer; searching again at its peak is the
             # hardest budget there is.
             plan, mode = memo.floor.plan, memo.floor.strategy
-        elif dec or memo.flat_overworked:
-            plan, mode = _decomposed.search(run, budget), "decomposed"
+        elif dec:
+            plan = _decomposed.search(run, budget)
         else:
             try:
                 plan, _ = _flat.search(run, budget)
