@@ -431,8 +431,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
             raise
     found: dict[int, OptimizeResult] = {}
     tested: dict[int, bool] = {}
-    host_over: list[HostOver] = []  # offload rungs whose plans the host budget refused
-    over_host: set[int] = set()  # ... by index
+    host_over: dict[int, HostOver] = {}  # offload rungs (by index) whose plans the host budget refused
 
     def fits(i: int) -> bool:
         # Block by block, the floor search is the cheaper test; flat, a
@@ -447,8 +446,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                     tested[i] = True
                     return True
                 except HostOver as e:
-                    host_over.append(e)
-                    over_host.add(i)
+                    host_over[i] = e
                     tested[i] = False
                     return False
                 except Infeasible:
@@ -458,8 +456,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                 try:  # (over the host budget: the rung does not fit)
                     found[i] = lad.optimize(rung, budget, prove=True)
                 except HostOver as e:
-                    host_over.append(e)
-                    over_host.add(i)
+                    host_over[i] = e
                     tested[i] = False
         return tested[i]
 
@@ -487,7 +484,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
             while not fits(lo):
                 lo += 1
             break
-        if end in over_host:
+        if end in host_over:
             # (An offload family's last rung offloads the most: over the host
             # budget, a rung before it, holding less there, may still fit.)
             first = next((i for i in range(lo, end) if fits(i)), None)
@@ -512,7 +509,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         if not floored:  # (only offload rungs, each over the host budget)
             if own_error is not None:
                 raise own_error
-            raise host_over[0]
+            raise next(iter(host_over.values()))
         low = min(floored, key=lambda i: (m.floors[steps[i]], i))
         if own_error is not None and 0 < own_error.floor_bytes <= m.floors[steps[low]]:
             raise own_error
@@ -526,7 +523,7 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         except Infeasible as e:
             e = _explained(e, steps[low], lad.time_limited())
             if host_over:  # (and the rungs that would have fitted hold too much on the host)
-                e = Infeasible(f"{e}; with offload: {host_over[0]}", e.floor_bytes, e.budget_bytes, e.scope,
+                e = Infeasible(f"{e}; with offload: {next(iter(host_over.values()))}", e.floor_bytes, e.budget_bytes, e.scope,
                                e.time_limited)
             raise e from None
     best = plan(lo)
