@@ -69,9 +69,7 @@ def _ensure_class(run: Run, sig: str, inst: list[Segment], floor_only: bool) -> 
         if canon.index not in memo.options:
             evaluate_options(run, canon, inst, [frozenset()])
         return
-    key = (sig, tuple(fwd[i].name for i in canon.nodes))
-    seen = memo.shared.setdefault(key, {}) if memo.shared is not None else {}
-    index = {fwd[i].name: i for i in canon.nodes}
+    seen, index = _shared(run, canon)
     for kind, make, wanted in (("floor", floor_options, True), ("budget", budget_options, not floor_only)):
         done = canon.index in memo.options if kind == "floor" else sig in memo.classes_with_budget_options
         if done or not wanted:
@@ -83,6 +81,7 @@ def _ensure_class(run: Run, sig: str, inst: list[Segment], floor_only: bool) -> 
                          for k, v in seen["extremes"].items()}
                 memo.extremes[sig] = dict(least, peak=None if least["least peak"] is None
                                           else local_peak(run, canon, least["least peak"]))
+                memo.peak_work[sig] = seen["peak work"]
         else:
             opts = make(run, canon)
             seen[kind] = [frozenset(fwd[i].name for i in o) for o in opts]
@@ -90,9 +89,20 @@ def _ensure_class(run: Run, sig: str, inst: list[Segment], floor_only: bool) -> 
                 seen["extremes"] = {k: None if memo.extremes[sig][k] is None
                                     else frozenset(fwd[i].name for i in memo.extremes[sig][k])
                                     for k in ("least kept", "least peak")}
+                seen["peak work"] = memo.peak_work.get(sig, 0)
         if kind == "budget":
             memo.classes_with_budget_options.add(sig)
         evaluate_options(run, canon, inst, opts)
+
+
+def _shared(run: Run, canon: Segment) -> tuple[dict, dict]:
+    """What other graphs of the same model learned of this class (by node
+    name; `Memo.shared`, else a dict of its own), and this graph's node
+    index by name."""
+    memo, fwd = run.memo, run.a.fwd
+    key = (canon.signature, tuple(fwd[i].name for i in canon.nodes))
+    seen = memo.shared.setdefault(key, {}) if memo.shared is not None else {}
+    return seen, {fwd[i].name: i for i in canon.nodes}
 
 
 def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None, R=None, gap=None):
@@ -117,8 +127,11 @@ def solve_class(run: Run, canon: Segment, objective: str, label: str, *, B=None,
         if objective != "peak":
             c.B.value = float(B) if B is not None else 1e18
         c.Rcap.value = float(R) if R is not None else 1e18
-        kept, _ = run.solve(c, OPTION, f"{canon.name} {label}", round=rnd + 1 if capped else 0,
-                            nodes=st.option_nodes, warm=True, rel_gap=st.option_gap if gap is None else gap)
+        kept, rec = run.solve(c, OPTION, f"{canon.name} {label}", round=rnd + 1 if capped else 0,
+                              nodes=st.option_nodes, warm=True, rel_gap=st.option_gap if gap is None else gap)
+        if objective == "peak" and R is None:
+            memo.peak_work[canon.signature] = (memo.peak_work.get(canon.signature, 0)
+                                               + (rec.iterations or 0) * rec.constraints)
         if kept is None or not capped:
             break
         limit = float(c.B.value) + 0.5 if objective == "peak" else float(B)
@@ -635,17 +648,27 @@ def floor(run: Run) -> Plan:
     st, memo = run.settings, run.memo
     if st.peak_gap > st.option_gap and not memo.floor_options_proven:
         # The least-peak option MILPs stopped at the looser gap; the floor is
-        # decided by them, so solve them to the option gap too.
+        # decided by them, so solve them to the option gap too: every class
+        # but one whose least-peak MILPs did more than `floor_resolve_work`
+        # (on such a class, solving again took ten times as long and closed
+        # a fraction of its gap: docs/02).
         memo.floor_options_proven = True
 
         def one(run: Run, inst: list[Segment]) -> None:
             canon = inst[0]
-            if not run.out_of_time():
+            seen, index = _shared(run, canon)
+            if "for the floor" in seen:  # (solved for another graph of the model)
+                kept = None if seen["for the floor"] is None else {index[n] for n in seen["for the floor"]}
+            elif run.out_of_time():
+                return
+            else:
                 kept, _ = solve_class(run, canon, "peak", "min peak (for the floor)")
-                if kept is not None:
-                    evaluate_options(run, canon, inst, [frozenset(kept)])
+                seen["for the floor"] = None if kept is None else frozenset(run.a.fwd[i].name for i in kept)
+            if kept is not None:
+                evaluate_options(run, canon, inst, [frozenset(kept)])
 
-        per_class(run, one, [inst for inst in run.problem.decomposition.classes.values() if inst[0].decisions])
+        per_class(run, one, [inst for inst in run.problem.decomposition.classes.values() if inst[0].decisions
+                             and memo.peak_work.get(inst[0].signature, 0) <= st.floor_resolve_work])
     got = combine(run, None, "least peak")
     cands = []
     if got is not None:

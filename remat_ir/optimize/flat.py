@@ -66,7 +66,7 @@ def search(run: Run, budget: int | None) -> tuple[Plan | None, bool]:
         if budget is not None:
             c.B.value = float(budget)
         rows = max(m.n_constraints, 1)
-        round_nodes = min(nodes, max(st.flat_round_work // rows, 1))
+        round_nodes = min(nodes, max(st.flat_round_work // rows ** 2, 1))
         if blocks and (work > st.flat_work or rows > st.flat_max_rows):
             run.memo.flat_overworked = True
             raise Overworked(best, work, rows)

@@ -366,6 +366,10 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
     if m.floor_rung is None:
         own = lad.own_rung(lad.rewrite_steps())
         best = (lad.floor_of(own), own)
+        if own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings) and lad.floor_of(()) < best[0]:
+            # (The flat search, within its work limits, can reach below the
+            # block-by-block floor; a refusal compares with both.)
+            best = (lad.floor_of(()), ())
         for off in reversed(lad.offload_steps()):  # (the lowest whose floor plan keeps to the host budget)
             if lad.floor_of(off) < best[0] and lad.host_ok(off):
                 best = (lad.floor_of(off), off)
@@ -401,7 +405,8 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
     floor; each rung, by that search and then by its floor; when no rung
     fits, the graph itself once more, by the flat search to its floor where
     that search takes the graph (a rung planned block by block may stop
-    above what the flat search reaches).  `offload`: the offload rungs are
+    above what the flat search reaches), unless the budget is far under the
+    graph's block-by-block floor (`Settings.flat_reach`).  `offload`: the offload rungs are
     tried first (module docstring); `host_budget` (bytes): what their plans
     may hold on the host."""
     t0 = time.perf_counter()
@@ -497,8 +502,13 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         # probed without its floor (or judged by its floor block by block): a
         # rung planned block by block can have a higher floor than the flat
         # search reaches, so the graph's own flat search goes to its floor first.
+        # A budget far under the graph's block-by-block floor is refused at
+        # that floor without the flat search (`Settings.flat_reach`).
         own_error = None
-        if own == () or (own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings)):
+        if (own == OWN_BLOCKS and budget < lad.settings.flat_reach * lad.floor_of(own)
+                and m.memos[own].floor is not None):
+            own_error = search.below_floor(lad.problem(own), budget, lad.rung_settings(own), m.memos[own])
+        elif own == () or (own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings)):
             try:
                 return _finish(lad, lad.optimize((), budget, prove=True), t0, budget)
             except Infeasible as e:
@@ -519,6 +529,10 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                              f"{human_bytes(own_floor)}, and no graph rewrite could be used ("
                              + "; ".join(m.unusable.values()) + ")", own_floor, budget, scope, lad.time_limited())
         try:
+            rung_memo = m.memos.get(steps[low])
+            if rung_memo is not None and rung_memo.floor is not None and rung_memo.floor.plan.peak > budget:
+                # (Its floor is above the budget: the refusal, without a budget search that finds nothing.)
+                raise search.below_floor(lad.problem(steps[low]), budget, lad.rung_settings(steps[low]), rung_memo)
             return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
         except Infeasible as e:
             e = _explained(e, steps[low], lad.time_limited())

@@ -98,6 +98,7 @@ class SolveRecord:
     # Simplex iterations the backend reports (HiGHS), a count that, unlike
     # seconds, every machine reproduces; None: not reported.
     iterations: int | None = None
+    explored: int | None = None  # branch-and-bound nodes the backend explored (HiGHS); None: not reported
 
     @property
     def name(self) -> str:
@@ -754,10 +755,12 @@ class Compiled:
         rec = SolveRecord(kind, subject, status, time.perf_counter() - t0, objv, gap, round=round,
                           rows=None if m.active is None else len(m.active), nodes=nodes,
                           variables=m.ny + m.nx, binaries=m.ny, constraints=m.n_constraints,
-                          iterations=simplex_iterations(self.problem, solver))
+                          iterations=simplex_iterations(self.problem, solver),
+                          explored=explored_nodes(self.problem, solver))
         if log:
             g = "-" if gap is None else f"{gap:.2%}"
             its = "" if rec.iterations is None else f", {rec.iterations} iterations"
+            its += "" if rec.explored is None else f", {rec.explored} nodes"
             log(f"  {rec.name}: {status}, gap {g}, {rec.seconds:.2f} s "
                 f"({m.ny} binaries, {m.nx} continuous, {m.n_constraints} rows{its})")
         return keep, rec
@@ -840,6 +843,17 @@ def simplex_iterations(problem, solver: str) -> int | None:
         info = problem.solver_stats.extra_stats
         if solver.upper() == "HIGHS" and info is not None:
             return int(info.simplex_iteration_count)
+    except Exception:  # noqa: BLE001 - counts are best effort
+        return None
+    return None
+
+
+def explored_nodes(problem, solver: str) -> int | None:
+    """The branch-and-bound nodes the last solve explored (HiGHS), or None."""
+    try:
+        info = problem.solver_stats.extra_stats
+        if solver.upper() == "HIGHS" and info is not None:
+            return int(info.mip_node_count)
     except Exception:  # noqa: BLE001 - counts are best effort
         return None
     return None

@@ -53,14 +53,15 @@ class Settings:
     # (symmetric decisions) can take a minute.
     flat_gap: float = 5e-3
     # How much one flat search may do, in counts every machine reproduces:
-    # a round's node limit shrinks so that nodes x the model's rows stays
-    # within `flat_round_work`; a round of more than `flat_max_rows` rows is
+    # a round's node limit shrinks so that nodes x the model's rows squared
+    # stays within `flat_round_work` (a node's simplex iterations grow with
+    # the rows, and so does each iteration); a round of more than `flat_max_rows` rows is
     # not solved; and the rounds' simplex iterations x rows (HiGHS's count;
     # other backends: nodes x rows) add up to at most `flat_work`.  Past
     # any of them a graph with blocks is planned block by block instead
     # (the plan's header says so).
-    flat_round_work: int = 10_000_000
-    flat_max_rows: int = 16_000
+    flat_round_work: int = 35_000_000_000
+    flat_max_rows: int = 8_000
     flat_work: int = 150_000_000
     # Rows added per round: where the plan holds the most (docs/02-optimizer.md).
     floor_rows_per_round: int = 32
@@ -74,8 +75,11 @@ class Settings:
     combine_nodes: int | None = 3000  # per combine MILP (non-chain graphs)
     option_gap: float = 1e-3  # option MILPs sample a Pareto set: near-optimal is enough
     # Least-peak option MILPs (hard to prove) only set where the peak levels
-    # start; the floor solves them again to `option_gap`.
+    # start; the floor solves them again to `option_gap`, each class whose
+    # least-peak MILPs did at most `floor_resolve_work` simplex iterations x
+    # rows (HiGHS's count): past that, solving again costs more than it gains.
     peak_gap: float = 5e-2
+    floor_resolve_work: int = 100_000_000
     kept_levels: int = 5  # option levels of bytes kept into backward ...
     peak_levels: int = 4  # ... and of a block's transient peak,
     level_power: float = 1.5  # ... spaced by this power (denser near the least)
@@ -90,6 +94,10 @@ class Settings:
 
     # The rewrite ladder: rewritten graphs past this many decisions are planned block by block.
     flat_floor_decisions: int = 100
+    # ... and when no rung fits, the graph's own flat search is tried only
+    # for a budget at least this fraction of its block-by-block floor: on the
+    # family corpus its plans reached at most 8.4% under that floor (docs/02).
+    flat_reach: float = 0.85
 
     def __post_init__(self):
         object.__setattr__(self, "solver", str(self.solver).upper())
@@ -229,6 +237,7 @@ class Memo:
     # MILP's dual bound): a MILP capped below it has no plan, so none is solved.
     peak_bounds: dict[str, float] = field(default_factory=dict)
     floor_options_proven: bool = False  # the least-peak option MILPs solved again to the option gap
+    peak_work: dict[str, int] = field(default_factory=dict)  # class -> its least-peak MILPs' simplex iterations x rows
     floor: Floor | None = None
     # The flat search passed its work limit on this problem (`Settings.flat_work`):
     # its searches are the decomposed one's from then on.

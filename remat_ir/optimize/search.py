@@ -44,8 +44,8 @@ from remat_ir.optimize.problem import (
     EFFORTS, Floor, Infeasible, Memo, OptimizeResult, Plan, Problem, Run, Settings,
 )
 
-__all__ = ["EFFORTS", "Infeasible", "Memo", "OptimizeResult", "Problem", "Settings", "decomposed", "flat",
-           "floor", "optimize", "resolve_budget", "unoptimized_peak"]
+__all__ = ["EFFORTS", "Infeasible", "Memo", "OptimizeResult", "Problem", "Settings", "below_floor", "decomposed",
+           "flat", "floor", "optimize", "resolve_budget", "unoptimized_peak"]
 
 
 # ---------------------------------------------------------------- arguments
@@ -221,6 +221,16 @@ def optimize(problem, budget: int, settings: Settings | None = None, memo: Memo 
                 raise _infeasible(run, budget, fl)
             plan, mode = fl.plan, fl.strategy
     return _result(run, plan, budget, mode, t0)
+
+
+def below_floor(problem: Problem, budget: int, settings: Settings, memo: Memo) -> Infeasible:
+    """The refusal of `budget`, below the floor a `floor` search with this
+    memo found (the refusal `optimize` raises, for a caller that compared
+    the budget with the floor and needs no budget search)."""
+    fl = memo.floor
+    if fl is None or fl.plan.peak <= budget:
+        raise ValueError("below_floor needs a budget below the floor this memo holds")
+    return _infeasible(Run(problem, settings, memo, None), int(budget), fl)
 
 
 def _infeasible(run: Run, budget: int, fl: Floor) -> Infeasible:
