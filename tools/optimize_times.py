@@ -42,11 +42,18 @@ the effort's.  `--solves` adds two columns from each result's solve
 records: the solves by kind and method (how many, how many proven optimal,
 their seconds), and the flat search's lazy rounds with the memory rows of
 its last one.  A total of the rows' times ends the table.
+
+The script runs under `PYTHONHASHSEED=0` (it starts itself again with it):
+a model that iterates a set of strings in its forward traces a graph whose
+op order is the hash seed's (transformers' ModernBERT computes its global
+and local rotary embeddings in `set(config.layer_types)` order), and a
+plan's hash names its graph too.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 from dataclasses import fields, replace
@@ -397,4 +404,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("PYTHONHASHSEED") != "0":  # (the module docstring says why)
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     sys.exit(main())
