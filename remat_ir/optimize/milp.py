@@ -755,8 +755,8 @@ class Compiled:
         rec = SolveRecord(kind, subject, status, time.perf_counter() - t0, objv, gap, round=round,
                           rows=None if m.active is None else len(m.active), nodes=nodes,
                           variables=m.ny + m.nx, binaries=m.ny, constraints=m.n_constraints,
-                          iterations=simplex_iterations(self.problem, solver),
-                          explored=explored_nodes(self.problem, solver))
+                          iterations=highs_count(self.problem, solver, "simplex_iteration_count"),
+                          explored=highs_count(self.problem, solver, "mip_node_count"))
         if log:
             g = "-" if gap is None else f"{gap:.2%}"
             its = "" if rec.iterations is None else f", {rec.iterations} iterations"
@@ -837,23 +837,13 @@ def has_solution(problem, solver: str) -> bool:
     return True
 
 
-def simplex_iterations(problem, solver: str) -> int | None:
-    """The simplex iterations of the last solve (HiGHS), or None."""
+def highs_count(problem, solver: str, name: str) -> int | None:
+    """A count HiGHS reports for the last solve (`simplex_iteration_count`,
+    `mip_node_count`), or None (another backend, or none reported)."""
     try:
         info = problem.solver_stats.extra_stats
         if solver.upper() == "HIGHS" and info is not None:
-            return int(info.simplex_iteration_count)
-    except Exception:  # noqa: BLE001 - counts are best effort
-        return None
-    return None
-
-
-def explored_nodes(problem, solver: str) -> int | None:
-    """The branch-and-bound nodes the last solve explored (HiGHS), or None."""
-    try:
-        info = problem.solver_stats.extra_stats
-        if solver.upper() == "HIGHS" and info is not None:
-            return int(info.mip_node_count)
+            return int(getattr(info, name))
     except Exception:  # noqa: BLE001 - counts are best effort
         return None
     return None
