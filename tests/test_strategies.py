@@ -267,3 +267,22 @@ def test_past_its_work_limit_the_flat_search_hands_a_graph_with_blocks_to_the_bl
     assert memo.flat_overworked and f.predicted_peak >= search.floor(stacked, scope=SCOPE).predicted_peak
     # Within the limit, nothing changes.
     assert search.optimize(stacked, budget, scope=SCOPE).mode == "flat"
+
+
+@pytest.mark.slow
+def test_a_budget_far_under_the_block_floor_is_refused_from_the_floors_alone(tiny):
+    """Every rung refused and the budget under `flat_reach` x the graph's
+    block-by-block floor: the refusal comes from the floors the ladder
+    found, with no budget search of any graph (gpt2-tiny planned as a large
+    graph is, by `flat_floor_decisions`)."""
+    settings = search.settings_of(flat_floor_decisions=10)
+    memo = ladder.LadderMemo()
+    f = ladder.floor(tiny, settings, memo, scope=SCOPE)
+    budget = int(0.5 * f.predicted_peak)
+    lines: list[str] = []
+    with pytest.raises(Infeasible) as e:
+        ladder.optimize(tiny, budget, settings, memo, scope=SCOPE, log=lines.append)
+    assert e.value.floor_bytes >= f.predicted_peak > budget and "below the floor" in str(e.value)
+    assert not [x for x in lines if x.startswith("optimize ")]  # (no budget search ran)
+    with pytest.raises(ValueError, match="below the floor this memo holds"):
+        search.below_floor(Problem.of(tiny, SCOPE), budget, settings, Memo())
