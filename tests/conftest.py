@@ -135,3 +135,16 @@ def _no_progress_lines(monkeypatch):
     import remat_ir.adopt
 
     monkeypatch.setattr(remat_ir.adopt, "_PROGRESS_AFTER_S", 1e9)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`, the README's test command), one torch
+    thread per worker: two workers of two threads each on two cores spend
+    their time waiting for each other.  Every comparison with eager runs
+    both sides in one worker, under one thread count."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

@@ -650,8 +650,8 @@ def floor(run: Run) -> Plan:
         # The least-peak option MILPs stopped at the looser gap; the floor is
         # decided by them, so solve them to the option gap too: every class
         # but one whose least-peak MILPs did more than `floor_resolve_work`
-        # (on such a class, solving again took ten times as long and closed
-        # a fraction of its gap: docs/02).
+        # (on such a class, solving again costs seconds for a fraction of
+        # its gap: docs/02), once per model (`_shared`: the ladder's rungs).
         memo.floor_options_proven = True
 
         def one(run: Run, inst: list[Segment]) -> None:
