@@ -28,7 +28,7 @@ MAIN_JOB = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && 
             ".venv/bin/pip install -q -e . && .venv/bin/remat-compile gpt2-tiny -o gpt2-tiny.rir && "
             ".venv/bin/remat-verify gpt2-tiny.rir && .venv/bin/remat-run gpt2-tiny.rir gpt2-tiny --steps 5 --check")
 TEST_COMMAND = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && "
-                ".venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q")
+                ".venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q -n 2")
 
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
