@@ -309,12 +309,22 @@ class _Ladder:
 
     def own_rung(self, steps: list) -> tuple:
         """The rung whose floor is the graph's own: the graph itself, or, for
-        a large graph with rewrites to try, the graph searched block by block."""
+        a large graph with rewrites to try that the flat search takes (its
+        settings do not decompose it), the graph searched block by block."""
         p = self.problem(())
         if (not p.decomposes(self.settings) and len(p.decisions) > self.settings.flat_floor_decisions and steps
                 and p.decomposition.blocks >= 2):
             return OWN_BLOCKS
         return ()
+
+    def refusal(self, rung: tuple, budget: int) -> Infeasible | None:
+        """The refusal of `budget` from the floor `rung`'s floor search
+        already found, when that floor is above the budget (no budget search
+        that finds nothing); else None."""
+        memo = self.memo.memos.get(rung)
+        if memo is None or memo.floor is None or memo.floor.plan.peak <= budget:
+            return None
+        return search.below_floor(self.problem(rung), budget, self.rung_settings(rung), memo)
 
 
 def _family(specs: tuple) -> tuple:
@@ -366,7 +376,7 @@ def floor(program: Program, settings: Settings | None = None, memo: LadderMemo |
     if m.floor_rung is None:
         own = lad.own_rung(lad.rewrite_steps())
         best = (lad.floor_of(own), own)
-        if own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings) and lad.floor_of(()) < best[0]:
+        if own == OWN_BLOCKS and lad.floor_of(()) < best[0]:
             # (The flat search, within its work limits, can reach below the
             # block-by-block floor; a refusal compares with both.)
             best = (lad.floor_of(()), ())
@@ -505,10 +515,9 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
         # A budget far under the graph's block-by-block floor is refused at
         # that floor without the flat search (`Settings.flat_reach`).
         own_error = None
-        if (own == OWN_BLOCKS and budget < lad.settings.flat_reach * lad.floor_of(own)
-                and m.memos[own].floor is not None):
-            own_error = search.below_floor(lad.problem(own), budget, lad.rung_settings(own), m.memos[own])
-        elif own == () or (own == OWN_BLOCKS and not lad.problem(()).decomposes(lad.settings)):
+        if own == OWN_BLOCKS and budget < lad.settings.flat_reach * lad.floor_of(own):
+            own_error = lad.refusal(own, budget)
+        if own_error is None:
             try:
                 return _finish(lad, lad.optimize((), budget, prove=True), t0, budget)
             except Infeasible as e:
@@ -529,10 +538,9 @@ def optimize(program: Program, budget: int, settings: Settings | None = None, me
                              f"{human_bytes(own_floor)}, and no graph rewrite could be used ("
                              + "; ".join(m.unusable.values()) + ")", own_floor, budget, scope, lad.time_limited())
         try:
-            rung_memo = m.memos.get(steps[low])
-            if rung_memo is not None and rung_memo.floor is not None and rung_memo.floor.plan.peak > budget:
-                # (Its floor is above the budget: the refusal, without a budget search that finds nothing.)
-                raise search.below_floor(lad.problem(steps[low]), budget, lad.rung_settings(steps[low]), rung_memo)
+            refused = lad.refusal(steps[low], budget)
+            if refused is not None:
+                raise refused
             return _finish(lad, lad.optimize(steps[low], budget, prove=True), t0, budget)
         except Infeasible as e:
             e = _explained(e, steps[low], lad.time_limited())
