@@ -92,9 +92,15 @@ def test_solve_records_are_typed(tiny, stacked):
     assert {r.kind for r in flat.solves} == {FLAT}
     assert [r.round for r in flat.solves] == list(range(1, len(flat.solves) + 1))
     assert all(isinstance(r.rows, int) and r.rows >= 1 and r.method == "MILP" for r in flat.solves)
-    # (a round's node limit is its setting's, or less on a model of many rows: `Settings.flat_round_work`)
-    assert all(1 <= r.nodes <= Settings().round_nodes for r in flat.solves)
-    assert flat.solves[0].nodes <= Settings().first_round_nodes
+    # A round's node limit is its setting's, or less on a model of many rows (`Settings.flat_round_work`).
+    st = Settings()
+
+    def limits(r):
+        return {min(n, max(st.flat_round_work // max(r.constraints, 1) ** 2, 1))
+                for n in (st.first_round_nodes, st.round_nodes)}
+
+    assert all(r.nodes in limits(r) for r in flat.solves)
+    assert flat.solves[0].nodes == min(limits(flat.solves[0]))
     assert all(r.explored is not None and r.explored <= r.nodes + 1 for r in flat.solves)
     dec = search.decomposed(stacked, int(0.6 * unoptimized_peak(stacked, SCOPE)), scope=SCOPE)
     kinds = {r.kind for r in dec.solves}
